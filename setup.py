@@ -1,0 +1,8 @@
+"""Install the `stree` namespace: stree/ itself, triton_kernels/ as stree.triton_kernels, distill/ as
+stree.distill (DESIGN.md §4: nothing is installed outside `stree`)."""
+from setuptools import setup
+
+setup(
+    packages=["stree", "stree.triton_kernels", "stree.distill"],
+    package_dir={"stree": "stree", "stree.triton_kernels": "triton_kernels", "stree.distill": "distill"},
+)

@@ -1,0 +1,72 @@
+"""Naive per-node sequential loops: the independent references the kernels are tested against.
+
+Every function walks the tree node by node in float64, exactly as the recurrence is written in DESIGN.md §2.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def path_to(parents, i):
+    """Node ids from the root down to i."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = int(parents[i])
+    return path[::-1]
+
+
+def scan_loop(x, dt, A, B, C, parents, D=None, dt_bias=None, dt_softplus=False,
+              dt_limit=(0.0, float("inf")), initial_states=None):
+    """Returns (y (batch, T, nheads, headdim), states (batch, T, nheads, headdim, dstate)), both float64."""
+    batch, T, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2:]
+    x, dt, A, B, C = (t.double() for t in (x, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.double()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    group = torch.arange(nheads) // (nheads // ngroups)
+    y = torch.zeros(batch, T, nheads, headdim, dtype=torch.float64)
+    states = torch.zeros(batch, T, nheads, headdim, dstate, dtype=torch.float64)
+    for b in range(batch):
+        h_init = (initial_states[b].double() if initial_states is not None
+                  else torch.zeros(nheads, headdim, dstate, dtype=torch.float64))
+        for i in range(T):
+            p = int(parents[b][i])
+            h_prev = h_init if p < 0 else states[b, p]
+            decay = torch.exp(dt[b, i] * A)[:, None, None]
+            h = decay * h_prev + dt[b, i][:, None, None] * x[b, i][:, :, None] * B[b, i, group][:, None, :]
+            states[b, i] = h
+            y[b, i] = (h * C[b, i, group][:, None, :]).sum(-1)
+            if D is not None:
+                Dd = D.double()
+                y[b, i] += x[b, i] * (Dd[:, None] if Dd.dim() == 1 else Dd)
+    return y, states
+
+
+def conv_windows_loop(x, parents, conv_state, length, nodes):
+    """Each requested node's window of the last `length` inputs along its path: (batch, len(nodes), length, dim).
+
+    The sequence seen by node i is conv_state's columns (oldest first) followed by x along path(i).
+    nodes: per batch row, a list of node ids (-1 = the state alone).
+    """
+    out = []
+    for b in range(x.shape[0]):
+        rows = []
+        for i in nodes[b]:
+            seq = [conv_state[b, :, c].double() for c in range(conv_state.shape[2])]
+            seq += [x[b, k].double() for k in (path_to(parents[b], i) if i >= 0 else [])]
+            rows.append(torch.stack(seq[-length:]))
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
+def conv_loop(x, weight, bias, parents, conv_state, silu=True):
+    """(batch, T, dim) float64: sum over the width of weight * window, plus bias, then silu."""
+    T, width = x.shape[1], weight.shape[1]
+    windows = conv_windows_loop(x, parents, conv_state, width, [list(range(T))] * x.shape[0])
+    out = (windows * weight.double().T[None, None]).sum(2)
+    if bias is not None:
+        out = out + bias.double()
+    return F.silu(out) if silu else out

@@ -1,0 +1,113 @@
+import pytest
+import torch
+from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_update
+
+from loops import conv_loop, conv_windows_loop
+from stree import random_parents
+from stree.triton_kernels import tree_conv1d, tree_conv_state
+
+BACKENDS = ["torch", "triton"]
+KINDS = ["chain", "star", "random", "deep"]
+
+
+def make_inputs(rows, dim=12, width=4, state_len=4, seed=0, dtype=torch.float32, device="cpu", bias=True):
+    g = torch.Generator().manual_seed(seed)
+    batch, T = len(rows), len(rows[0])
+    return dict(x=torch.randn(batch, T, dim, generator=g).to(device, dtype),
+                weight=torch.randn(dim, width, generator=g).to(device, dtype),
+                bias=torch.randn(dim, generator=g).to(device, dtype) if bias else None,
+                parents=torch.tensor(rows, device=device),
+                conv_state=torch.randn(batch, dim, state_len, generator=g).to(device, dtype))
+
+
+def cpu(args):
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
+
+
+def rows_for(kind, T, batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [random_parents(T, g, kind=kind) for _ in range(batch)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 6, 37])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_conv1d_matches_loop(backend, kind, T, seed, device):
+    args = make_inputs(rows_for(kind, T, batch=2, seed=seed), dim=70, seed=seed, device=device)
+    y = tree_conv1d(**args, backend=backend)
+    assert y.shape == args["x"].shape and y.dtype == args["x"].dtype
+    torch.testing.assert_close(y.double().cpu(), conv_loop(**cpu(args)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width, state_len, bias, activation", [
+    (4, 3, True, "silu"), (2, 5, False, None), (1, 1, True, "identity"), (3, 2, False, "swish")])
+def test_tree_conv1d_shapes_and_options(backend, width, state_len, bias, activation, device):
+    args = make_inputs(rows_for("random", 15, batch=3, seed=2), width=width, state_len=state_len, bias=bias,
+                       seed=2, device=device)
+    y = tree_conv1d(**args, activation=activation, backend=backend)
+    want = conv_loop(**cpu(args), silu=activation in ("silu", "swish"))
+    torch.testing.assert_close(y.double().cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_conv1d_low_precision(backend, dtype, device):
+    args = make_inputs(rows_for("random", 10, batch=2, seed=3), seed=3, dtype=dtype, device=device)
+    y = tree_conv1d(**args, backend=backend)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double().cpu(), conv_loop(**cpu(args)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_equals_hf_causal_conv(backend, device):
+    """On a chain, the tree conv is HF's own causal conv continuing from the conv state."""
+    T = 9
+    args = make_inputs([list(range(-1, T - 1))] * 2, seed=4, device=device)
+    y = tree_conv1d(**args, backend=backend)
+    state = args["conv_state"].clone()
+    y_hf = causal_conv1d_update(args["x"].transpose(1, 2), state, args["weight"], args["bias"], "silu")
+    torch.testing.assert_close(y, y_hf.transpose(1, 2))
+    # HF's update also leaves the state after the whole chain in `state`: that is the commit of the last node.
+    new = tree_conv_state(args["x"], args["parents"], torch.full((2,), T - 1, device=device),
+                          args["conv_state"], backend=backend)
+    torch.testing.assert_close(new, state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("state_len", [3, 4, 6])
+def test_tree_conv_state_matches_loop(backend, kind, state_len, device):
+    T = 13
+    args = make_inputs(rows_for(kind, T, batch=4, seed=state_len), dim=70, state_len=state_len, seed=state_len,
+                       device=device)
+    nodes = [-1, 0, T - 1, 5]
+    new = tree_conv_state(args["x"], args["parents"], torch.tensor(nodes, device=device), args["conv_state"],
+                          backend=backend)
+    assert new.shape == args["conv_state"].shape and new.dtype == args["conv_state"].dtype
+    want = conv_windows_loop(args["x"].cpu(), args["parents"].cpu(), args["conv_state"].cpu(), state_len,
+                             [[n] for n in nodes])[:, 0].transpose(1, 2)
+    torch.testing.assert_close(new.double().cpu(), want)
+    torch.testing.assert_close(new[0], args["conv_state"][0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(parents=torch.tensor([[-1, 1, 0]])), "topological"),
+    (dict(weight=torch.zeros(5, 4)), "weight must have shape"),
+    (dict(conv_state=torch.zeros(1, 4, 2)), "needs at least 3"),
+    (dict(conv_state=torch.zeros(2, 4, 4)), "conv_state must have shape"),
+    (dict(bias=torch.zeros(3)), "bias must have shape"),
+    (dict(activation="gelu"), "activation"),
+])
+def test_tree_conv1d_rejects_bad_input(change, message):
+    args = dict(x=torch.zeros(1, 3, 4), weight=torch.zeros(4, 4), bias=None, parents=torch.tensor([[-1, 0, 1]]),
+                conv_state=torch.zeros(1, 4, 4))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_conv1d(**args)
+
+
+def test_tree_conv_state_rejects_bad_nodes():
+    with pytest.raises(ValueError, match="out of range"):
+        tree_conv_state(torch.zeros(1, 3, 4), torch.tensor([[-1, 0, 1]]), torch.tensor([3]), torch.zeros(1, 4, 4))

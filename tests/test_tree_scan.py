@@ -1,0 +1,224 @@
+import pytest
+import torch
+from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+from loops import path_to, scan_loop
+from stree import random_parents
+from stree.triton_kernels import tree_scan, tree_states
+
+BACKENDS = ["torch", "triton"]
+KINDS = ["chain", "star", "random", "deep"]
+
+
+def make_inputs(parents_rows, nheads=4, ngroups=2, headdim=8, dstate=16, seed=0, dtype=torch.float32,
+                device="cpu", h0=True, d_per_channel=False):
+    g = torch.Generator().manual_seed(seed)
+    batch, T = len(parents_rows), len(parents_rows[0])
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    inputs = dict(
+        x=rnd(batch, T, nheads, headdim), dt=rnd(batch, T, nheads, scale=0.5),
+        A=-torch.rand(nheads, generator=g).add(0.5).to(device), B=rnd(batch, T, ngroups, dstate),
+        C=rnd(batch, T, ngroups, dstate), parents=torch.tensor(parents_rows, device=device))
+    extras = dict(D=rnd(nheads, headdim) if d_per_channel else rnd(nheads), dt_bias=rnd(nheads, scale=0.5),
+                  dt_softplus=True,
+                  initial_states=rnd(batch, nheads, headdim, dstate).float() if h0 else None)
+    return inputs, extras
+
+
+def assert_close(actual, expected, dtype):
+    tol = {torch.float32: 2e-4, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
+    err = (actual.double().cpu() - expected).abs().max().item()
+    scale = expected.abs().max().item() + 1e-6
+    assert err <= tol * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+def rows_for(kind, T, batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [random_parents(T, g, kind=kind) for _ in range(batch)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 7, 40])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_scan_matches_loop(backend, kind, T, seed, device):
+    rows = rows_for(kind, T, batch=2, seed=seed)
+    inputs, extras = make_inputs(rows, seed=seed, device=device)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    assert y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
+    assert_close(y, y_ref, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_scan_many_blocks_and_odd_sizes(backend, device):
+    """T spans several Triton query/key blocks; headdim and dstate are not powers of two."""
+    rows = rows_for("random", 150, batch=2, seed=3) if backend == "torch" else rows_for("random", 90, 2, 3)
+    inputs, extras = make_inputs(rows, nheads=3, ngroups=1, headdim=20, dstate=24, seed=3, device=device,
+                                 d_per_channel=True)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    assert_close(y, y_ref, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", ["plain", "no_h0", "limit", "d_channel"])
+def test_tree_scan_options(backend, options, device):
+    rows = rows_for("random", 12, batch=3, seed=5)
+    inputs, extras = make_inputs(rows, nheads=6, ngroups=3, seed=5, device=device, h0=options != "no_h0",
+                                 d_per_channel=options == "d_channel")
+    if options == "plain":
+        extras = dict(initial_states=extras["initial_states"])
+        inputs["dt"] = inputs["dt"].abs()
+    if options == "limit":
+        extras["dt_limit"] = (0.3, 0.9)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    assert_close(y, y_ref, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_scan_low_precision(backend, dtype, device):
+    rows = rows_for("random", 20, batch=2, seed=7)
+    inputs, extras = make_inputs(rows, seed=7, dtype=dtype, device=device)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    assert y.dtype == dtype
+    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    assert_close(y, y_ref, dtype)
+
+
+def test_tree_scan_float64_torch_is_exact():
+    rows = rows_for("random", 25, batch=2, seed=8)
+    inputs, extras = make_inputs(rows, seed=8, dtype=torch.float64)
+    extras["initial_states"] = extras["initial_states"].double()
+    y = tree_scan(**inputs, **extras)
+    assert y.dtype == torch.float64
+    assert_close(y, scan_loop(**inputs, **extras)[0], torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_scan_per_row_trees_are_independent(backend, device):
+    """Row b's outputs depend only on row b's tree: a batch equals its rows run one at a time."""
+    rows = [random_parents(16, torch.Generator().manual_seed(s)) for s in range(3)]
+    inputs, extras = make_inputs(rows, seed=9, device=device)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    for b in range(3):
+        one = {k: v[b:b + 1] if k not in ("A",) else v for k, v in inputs.items()}
+        one_extra = dict(extras, initial_states=extras["initial_states"][b:b + 1])
+        torch.testing.assert_close(tree_scan(**one, **one_extra, backend=backend), y[b:b + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_equals_hf_sequential_chunk_scan(backend, device):
+    """On a chain the tree scan is the ordinary Mamba2 scan (HF's own torch chunk scan, chunk 8 < T)."""
+    T = 29
+    inputs, extras = make_inputs([list(range(-1, T - 1))] * 2, seed=11, device=device)
+    extras["dt_limit"] = (0.05, 2.0)
+    y = tree_scan(**inputs, **extras, backend=backend)
+    args = {k: v for k, v in inputs.items() if k != "parents"}
+    y_hf, final_hf = mamba2_chunk_scan(args["x"], args["dt"], args["A"], args["B"], args["C"], chunk_size=8,
+                                       return_final_states=True, **extras)
+    torch.testing.assert_close(y, y_hf.to(y.dtype), rtol=1e-4, atol=1e-4)
+    last = torch.full((2,), T - 1, device=device)
+    states = tree_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=last,
+                         **{k: v for k, v in extras.items() if k != "D"}, backend=backend)
+    torch.testing.assert_close(states, final_hf.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_states_matches_loop(backend, kind, seed, device):
+    T = 23
+    rows = rows_for(kind, T, batch=3, seed=seed)
+    inputs, extras = make_inputs(rows, seed=seed, device=device)
+    extras.pop("D")
+    inputs.pop("C")
+    g = torch.Generator().manual_seed(seed)
+    nodes = torch.randint(0, T, (3,), generator=g)
+    nodes[0] = -1 if seed == 0 else T - 1
+    states = tree_states(**inputs, nodes=nodes.to(device), **extras, backend=backend)
+    _, all_states = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                              C=torch.zeros_like(inputs["B"]).cpu(),
+                              **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    for b in range(3):
+        want = extras["initial_states"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
+        assert_close(states[b], want, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_states_equals_feeding_the_path(backend, device):
+    """tree_states(node=a) equals running the plain scan over path(a) as a sequence."""
+    T = 30
+    rows = rows_for("random", T, batch=1, seed=4)
+    inputs, extras = make_inputs(rows, seed=4, device=device, h0=True)
+    extras.pop("D")
+    for a in [0, 9, T - 1]:
+        path = torch.tensor(path_to(rows[0], a), device=device)
+        seq = {k: inputs[k][:, path] for k in ("x", "dt", "B", "C")}
+        _, final = mamba2_chunk_scan(seq["x"], seq["dt"], inputs["A"], seq["B"], seq["C"], chunk_size=4,
+                                     return_final_states=True, **extras)
+        got = tree_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=torch.tensor([a], device=device),
+                          **extras, backend=backend)
+        torch.testing.assert_close(got, final.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_tree_states_without_initial_state_returns_fp32(device):
+    rows = rows_for("random", 5, batch=1, seed=0)
+    inputs, _ = make_inputs(rows, device=device, dtype=torch.float16)
+    inputs.pop("C")
+    states = tree_states(**inputs, nodes=torch.tensor([-1], device=device))
+    assert states.dtype == torch.float32 and bool((states == 0).all())
+
+
+def _valid():
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+    return dict(inputs, **extras)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(parents=torch.tensor([[-1, 2, 1]])), "topological"),
+    (dict(parents=torch.tensor([[-1, 0, 1]]).float()), "integer"),
+    (dict(parents=torch.tensor([[-1, -2, 0]])), "below -1"),
+    (dict(parents=torch.tensor([[-1, 0]])), "parents must have shape"),
+    (dict(dt=torch.zeros(1, 3, 5)), "dt must have shape"),
+    (dict(A=torch.zeros(3)), "A must have shape"),
+    (dict(B=torch.zeros(1, 3, 3, 16), C=torch.zeros(1, 3, 3, 16)), "must divide nheads"),
+    (dict(C=torch.zeros(1, 3, 2, 8)), "C must have shape"),
+    (dict(D=torch.zeros(4, 3)), "D must have shape"),
+    (dict(initial_states=torch.zeros(1, 4, 8, 8)), "initial_states must have shape"),
+    (dict(x=torch.zeros(1, 3, 4, 8, dtype=torch.long)), "floating-point"),
+    (dict(dt_limit=(1.0, 0.5)), "dt_limit"),
+    (dict(backend="cuda"), "backend must be one of"),
+])
+def test_tree_scan_rejects_bad_input(change, message):
+    args = _valid()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_scan(**args)
+
+
+@pytest.mark.parametrize("nodes, message", [
+    (torch.tensor([3]), "out of range"), (torch.tensor([-2]), "out of range"),
+    (torch.tensor([0, 1]), "nodes must have shape"), (torch.tensor([0.0]), "integer")])
+def test_tree_states_rejects_bad_nodes(nodes, message):
+    args = _valid()
+    for k in ("C", "D"):
+        args.pop(k)
+    with pytest.raises(ValueError, match=message):
+        tree_states(**args, nodes=nodes)
+
+
+def test_triton_rejects_float64():
+    args = _valid()
+    args["x"] = args["x"].double()
+    with pytest.raises(ValueError, match="float64"):
+        tree_scan(**args, backend="triton")

@@ -1,0 +1,55 @@
+"""PyTorch reference of the tree scan: the masked quadratic form as batched tensor ops (no loop over nodes).
+
+This is also the production path on CPU. Inputs are already validated by tree_scan.py.
+"""
+import torch
+
+from .utils import compute_dtype, tree_decay
+
+
+def _heads(t, nheads):
+    """(batch, T, ngroups, dstate) -> (batch, T, nheads, dstate), head h reading group h // (nheads // ngroups)."""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=False,
+              dt_limit=(0.0, float("inf")), initial_states=None):
+    """See tree_scan.tree_scan. Returns y (batch, T, nheads, headdim) in x.dtype."""
+    cd = compute_dtype(x)
+    nheads = x.shape[2]
+    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
+    xf, Bf, Cf = x.to(cd), B.to(cd), C.to(cd)
+    # decay[b, h, i, k] = exp(s_i - s_k) for k on path(i), else 0 (masked before exp: never overflows).
+    s_h = s.transpose(1, 2)
+    decay = torch.exp((s_h[..., :, None] - s_h[..., None, :]).masked_fill(~mask[:, None], float("-inf")))
+    scores = torch.einsum("bign,bkgn->bgik", Cf, Bf).repeat_interleave(nheads // B.shape[2], dim=1)
+    scores = scores * decay * dt.transpose(1, 2)[:, :, None, :]
+    y = torch.einsum("bhik,bkhp->bihp", scores, xf)
+    if initial_states is not None:
+        y = y + torch.exp(s)[..., None] * torch.einsum("bihn,bhpn->bihp", _heads(Cf, nheads),
+                                                      initial_states.to(cd))
+    if D is not None:
+        Df = D.to(cd)
+        y = y + xf * (Df[:, None] if Df.dim() == 1 else Df)
+    return y.to(x.dtype)
+
+
+def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
+                dt_limit=(0.0, float("inf")), initial_states=None):
+    """See tree_scan.tree_states. Returns states (batch, nheads, headdim, dstate) in the compute dtype."""
+    cd = compute_dtype(x)
+    batch, nheads = x.shape[0], x.shape[2]
+    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
+    rows = torch.arange(batch, device=x.device)
+    accepted = nodes >= 0
+    node = nodes.clamp(min=0)
+    on_path = mask[rows, node] & accepted[:, None]                                 # (batch, T)
+    s_node = s[rows, node]                                                         # (batch, nheads)
+    log_w = (s_node[:, None, :] - s).masked_fill(~on_path[..., None], float("-inf"))
+    weight = torch.exp(log_w) * dt                                                 # (batch, T, nheads)
+    states = torch.einsum("bkh,bkhp,bkhn->bhpn", weight, x.to(cd), _heads(B.to(cd), nheads))
+    if initial_states is None:
+        return states
+    carry = torch.where(accepted[:, None], torch.exp(s_node), torch.ones_like(s_node))
+    return states + carry[..., None, None] * initial_states.to(cd)
+
