@@ -16,21 +16,24 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
               dt_limit=(0.0, float("inf")), initial_states=None):
     """See tree_scan.tree_scan. Returns y (batch, T, nheads, headdim) in x.dtype."""
     cd = compute_dtype(x)
-    nheads = x.shape[2]
+    batch, T, nheads, _ = x.shape
+    ngroups = B.shape[2]
     dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
-    xf, Bf, Cf = x.to(cd), B.to(cd), C.to(cd)
-    # decay[b, h, i, k] = exp(s_i - s_k) for k on path(i), else 0 (masked before exp: never overflows).
-    s_h = s.transpose(1, 2)
-    decay = torch.exp((s_h[..., :, None] - s_h[..., None, :]).masked_fill(~mask[:, None], float("-inf")))
-    scores = torch.einsum("bign,bkgn->bgik", Cf, Bf).repeat_interleave(nheads // B.shape[2], dim=1)
-    scores = scores * decay * dt.transpose(1, 2)[:, :, None, :]
-    y = torch.einsum("bhik,bkhp->bihp", scores, xf)
+    xf, Cf = x.to(cd), C.to(cd)
+    # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0 (masked before exp).
+    s_h = s.transpose(1, 2).contiguous()
+    weight = (s_h[..., :, None] - s_h[..., None, :]).masked_fill_(~mask[:, None], float("-inf")).exp_()
+    weight = weight.mul_(dt.transpose(1, 2)[:, :, None, :]).view(batch, ngroups, nheads // ngroups, T, T)
+    weight = weight.mul_(torch.einsum("bign,bkgn->bgik", Cf, B.to(cd))[:, :, None]).view(batch, nheads, T, T)
+    y = torch.einsum("bhik,bkhp->bihp", weight, xf)
     if initial_states is not None:
-        y = y + torch.exp(s)[..., None] * torch.einsum("bihn,bhpn->bihp", _heads(Cf, nheads),
-                                                      initial_states.to(cd))
+        # One GEMM per group: (heads_in_group * headdim, dstate) @ (dstate, T), read straight from the state.
+        h0 = initial_states.to(cd).view(batch, ngroups, -1, initial_states.shape[-1])
+        from_h0 = torch.matmul(h0, Cf.permute(0, 2, 3, 1))                       # (batch, G, R*P, T)
+        y += from_h0.view(batch, nheads, -1, T).permute(0, 3, 1, 2).mul_(s.exp()[..., None])
     if D is not None:
         Df = D.to(cd)
-        y = y + xf * (Df[:, None] if Df.dim() == 1 else Df)
+        y.addcmul_(xf, Df[:, None] if Df.dim() == 1 else Df)
     return y.to(x.dtype)
 
 

@@ -63,15 +63,11 @@ def check_parents(parents, batch, T, device):
     if parents.device != device:
         raise ValueError(f"parents is on {parents.device} but the inputs are on {device}")
     parents = parents.long()
-    if T == 0:
-        return parents
-    if bool((parents < -1).any()):
-        b, i = (parents < -1).nonzero()[0].tolist()
-        raise ValueError(f"parents[{b}, {i}] = {parents[b, i].item()} is below -1 (-1 means: child of the prefix)")
-    index = torch.arange(T, device=device)
-    bad = parents >= index
+    bad = (parents < -1) | (parents >= torch.arange(T, device=device))
     if bool(bad.any()):
         b, i = bad.nonzero()[0].tolist()
+        if parents[b, i] < -1:
+            raise ValueError(f"parents[{b}, {i}] = {parents[b, i].item()} is below -1 (-1 means: child of the prefix)")
         raise ValueError(f"parents must be topological (parents[b, i] < i); parents[{b}, {i}] = "
                          f"{parents[b, i].item()}")
     return parents
@@ -102,14 +98,11 @@ def ancestor_mask(parents):
     """
     batch, T = parents.shape
     # Row T is a sentinel for "outside the tree": it is empty and its own ancestor.
-    mask = torch.zeros(batch, T + 1, T, dtype=torch.bool, device=parents.device)
-    mask[:, :T] = torch.eye(T, dtype=torch.bool, device=parents.device)
-    jump = torch.where(parents < 0, T, parents)
-    jump = torch.cat([jump, torch.full((batch, 1), T, device=parents.device, dtype=jump.dtype)], dim=1)
-    rows = torch.arange(batch, device=parents.device)[:, None]
+    mask = torch.eye(T + 1, T, dtype=torch.bool, device=parents.device).expand(batch, T + 1, T)
+    jump = F.pad(parents.masked_fill(parents < 0, T), (0, 1), value=T)
     for _ in range(max(T - 1, 0).bit_length()):
-        mask = mask | mask[rows, jump]
-        jump = jump[rows, jump]
+        mask = mask | mask.gather(1, jump[..., None].expand(batch, T + 1, T))
+        jump = jump.gather(1, jump)
     return mask[:, :T]
 
 

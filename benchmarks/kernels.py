@@ -1,0 +1,224 @@
+"""Tree scan vs the ways an SSM can verify a token tree without it, at real Mamba2 layer shapes.
+
+For each layer shape and tree size T, times in one run (median of repeats):
+  tree_random  tree_scan over a random T-node tree (with an initial state, D, dt_bias, softplus)
+  tree_chain   tree_scan over a T-node chain
+  step1        one single-token state update (the decode step the tree replaces)
+  seqT         T sequential single-token updates (per-node recurrence over the tree, as SGLang does)
+  unrolled     every root-to-leaf path of the random tree as a batch row of an ordinary sequence scan
+               (mamba_ssm's chunk scan when installed, else stree's scan over chains, which equals it)
+  chunk_seq    (CUDA with mamba_ssm only) mamba_ssm's chunk scan over T tokens
+CPU runs the PyTorch path, CUDA the Triton path. Prints the device, shapes and a table of ratios; writes JSON.
+
+    python benchmarks/kernels.py                 # all shapes, T in 1..128
+    python benchmarks/kernels.py --quick         # one shape, a few T (smoke run)
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from stree import random_parents
+from stree.triton_kernels import tree_scan
+
+# (nheads, headdim, dstate, ngroups) of one Mamba2 mixer.
+SHAPES = {
+    "mamba2-130m": (24, 64, 128, 1),
+    "mamba2-2.7b": (80, 64, 128, 1),
+    "nemotron-h-8b": (128, 64, 128, 8),
+}
+TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
+
+
+def time_all(fns, device, min_time=0.5, min_reps=7, max_reps=300):
+    """Median wall time in ms of each fn in `fns`, timed round-robin so machine drift hits all alike.
+
+    Each timed call directly follows an untimed call of the same fn, so every fn is measured warm (its data in
+    cache), as a microbenchmark loop would; the interleaving only guards the ratios against drift.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    while (len(times[next(iter(fns))]) < min_reps
+           or (time.perf_counter() - start < min_time and len(times[next(iter(fns))]) < max_reps)):
+        for name, fn in fns.items():
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def make_layer(shape, batch, T, device, dtype, generator):
+    nheads, headdim, dstate, ngroups = shape
+
+    def rnd(*size, scale=1.0):
+        return (torch.randn(*size, generator=generator) * scale).to(device, dtype)
+
+    return dict(x=rnd(batch, T, nheads, headdim), dt=rnd(batch, T, nheads, scale=0.5),
+                A=-torch.rand(nheads, generator=generator).add(0.5).to(device),
+                B=rnd(batch, T, ngroups, dstate), C=rnd(batch, T, ngroups, dstate),
+                D=torch.randn(nheads, generator=generator).to(device),
+                dt_bias=torch.randn(nheads, generator=generator).to(device),
+                h0=torch.randn(batch, nheads, headdim, dstate, generator=generator).to(device))
+
+
+def decode_step_torch(state, x, dt, A, B, C, D, dt_bias):
+    """One in-place Mamba2 decode step. state (b, H, P, N) fp32; x (b, H, P); dt (b, H); B, C (b, G, N)."""
+    nheads = x.shape[1]
+    dt = F.softplus(dt.float() + dt_bias)
+    Bh = B.float().repeat_interleave(nheads // B.shape[1], dim=1)
+    Ch = C.float().repeat_interleave(nheads // C.shape[1], dim=1)
+    state.mul_(torch.exp(dt * A)[..., None, None]).add_((dt[..., None] * x.float())[..., None] * Bh[:, :, None, :])
+    return (torch.einsum("bhpn,bhn->bhp", state, Ch) + D[:, None] * x.float()).to(x.dtype)
+
+
+def decode_step_fn(device):
+    """mamba_ssm's selective_state_update on CUDA when installed, else the torch step above."""
+    if device.type == "cuda":
+        try:
+            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        except ImportError:
+            return decode_step_torch, "torch"
+
+        def step(state, x, dt, A, B, C, D, dt_bias):
+            nheads, headdim, dstate = state.shape[1:]
+            return selective_state_update(state, x, dt[..., None].expand(-1, -1, headdim),
+                                          A[:, None, None].expand(nheads, headdim, dstate), B, C,
+                                          D=D[:, None].expand(nheads, headdim),
+                                          dt_bias=dt_bias[:, None].expand(nheads, headdim), dt_softplus=True)
+        return step, "mamba_ssm"
+    return decode_step_torch, "torch"
+
+
+def mamba_chunk_scan_fn(device):
+    if device.type != "cuda":
+        return None
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        return None
+    return mamba_chunk_scan_combined
+
+
+def leaf_paths(parents):
+    """Every root-to-leaf path of a tree, as lists of node ids."""
+    has_child = set(p for p in parents if p >= 0)
+    paths = []
+    for leaf in (i for i in range(len(parents)) if i not in has_child):
+        path, i = [], leaf
+        while i >= 0:
+            path.append(i)
+            i = parents[i]
+        paths.append(path[::-1])
+    return paths
+
+
+def bench_case(shape, T, batch, device, dtype, generator):
+    layer = make_layer(shape, batch, T, device, dtype, generator)
+    parents_random = [random_parents(T, generator, max_children=3) for _ in range(batch)]
+    chain = torch.arange(T, device=device).expand(batch, T) - 1
+    kwargs = dict(D=layer["D"], dt_bias=layer["dt_bias"], dt_softplus=True, initial_states=layer["h0"])
+    scan_args = [layer[k] for k in ("x", "dt", "A", "B", "C")]
+    step, step_impl = decode_step_fn(device)
+    state = layer["h0"].clone()
+
+    def one_step(i=0):
+        return step(state, layer["x"][:, i], layer["dt"][:, i], layer["A"], layer["B"][:, i], layer["C"][:, i],
+                    layer["D"], layer["dt_bias"])
+
+    # Unrolled: row r of the batch holds path r (padded at the end; padding only costs time).
+    paths = leaf_paths(parents_random[0])
+    depth = max(len(p) for p in paths)
+    index = torch.tensor([p + [p[-1]] * (depth - len(p)) for p in paths], device=device)
+    unrolled = {k: layer[k][0][index] for k in ("x", "dt", "B", "C")}
+    h0_rows = layer["h0"][:1].expand(len(paths), *layer["h0"].shape[1:]).contiguous()
+    chunk_scan = mamba_chunk_scan_fn(device)
+
+    def sequence_scan(x, dt, B, C, h0):
+        """The ordinary scan over sequences: mamba_ssm's chunk scan when installed, else stree on chains."""
+        if chunk_scan is not None:
+            return chunk_scan(x, dt, layer["A"], B, C, chunk_size=256, D=layer["D"], dt_bias=layer["dt_bias"],
+                              initial_states=h0, dt_softplus=True)
+        rows, length = x.shape[:2]
+        chains = torch.arange(length, device=device).expand(rows, length) - 1
+        return tree_scan(x, dt, layer["A"], B, C, chains, D=layer["D"], dt_bias=layer["dt_bias"],
+                         dt_softplus=True, initial_states=h0)
+
+    parents = torch.tensor(parents_random, device=device)
+    fns = {
+        "tree_random": lambda: tree_scan(*scan_args, parents, **kwargs),
+        "tree_chain": lambda: tree_scan(*scan_args, chain, **kwargs),
+        "step1": one_step,
+        "seqT": lambda: [one_step(i) for i in range(T)],
+        "unrolled": lambda: sequence_scan(unrolled["x"], unrolled["dt"], unrolled["B"], unrolled["C"], h0_rows),
+    }
+    if chunk_scan is not None:
+        fns["chunk_seq"] = lambda: sequence_scan(layer["x"], layer["dt"], layer["B"], layer["C"], layer["h0"])
+    with torch.inference_mode():
+        times = time_all(fns, device)
+    return times, dict(step_impl=step_impl, unrolled_rows=len(paths), unrolled_len=depth,
+                       sequence_scan="mamba_ssm" if chunk_scan is not None else "stree-chain")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--sizes", nargs="+", type=int, default=list(TREE_SIZES))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="mamba2-2.7b only, T in 1, 16, 64")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>.json)")
+    args = parser.parse_args()
+    if args.quick:
+        args.shapes, args.sizes = ["mamba2-2.7b"], [1, 16, 64]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"dtype {dtype}, batch {args.batch}")
+    print("backend: " + ("Triton" if device.type == "cuda" else "PyTorch reference"))
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        print(f"\n{shape_name}: nheads={shape[0]} headdim={shape[1]} dstate={shape[2]} ngroups={shape[3]}")
+        header = (f"{'T':>4} {'tree ms':>9} {'step1 ms':>9} {'tree/step1':>10} {'chain/step1':>11} "
+                  f"{'tree/seqT':>9} {'tree/unroll':>11}")
+        print(header + (f" {'tree/chunk':>10}" if device.type == "cuda" else ""))
+        for T in args.sizes:
+            times, info = bench_case(shape, T, args.batch, device, dtype, generator)
+            ratios = {"tree_over_step1": times["tree_random"] / times["step1"],
+                      "chain_over_step1": times["tree_chain"] / times["step1"],
+                      "tree_over_seqT": times["tree_random"] / times["seqT"],
+                      "tree_over_unrolled": times["tree_random"] / times["unrolled"]}
+            if "chunk_seq" in times:
+                ratios["tree_over_chunk_seq"] = times["tree_random"] / times["chunk_seq"]
+            line = (f"{T:>4} {times['tree_random']:>9.3f} {times['step1']:>9.3f} {ratios['tree_over_step1']:>10.2f} "
+                    f"{ratios['chain_over_step1']:>11.2f} {ratios['tree_over_seqT']:>9.3f} "
+                    f"{ratios['tree_over_unrolled']:>11.2f}")
+            if "tree_over_chunk_seq" in ratios:
+                line += f" {ratios['tree_over_chunk_seq']:>10.2f}"
+            print(line, flush=True)
+            results.append(dict(shape=shape_name, nheads=shape[0], headdim=shape[1], dstate=shape[2],
+                                ngroups=shape[3], T=T, batch=args.batch, times_ms=times, ratios=ratios, **info))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"kernels-{device.type}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(device=device.type, device_name=name, dtype=str(dtype), torch=torch.__version__,
+                       threads=torch.get_num_threads(), results=results), f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
