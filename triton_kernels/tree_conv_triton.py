@@ -47,16 +47,17 @@ def _tree_conv_state_kernel(x_ptr, parents_ptr, nodes_ptr, state_ptr, out_ptr, T
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = offs_d < dim
-    cur = tl.load(nodes_ptr + b)
-    col = STATE_LEN
+    # The walk is the same for every channel; keep it as a vector so masks have the channels' shape.
+    cur = tl.load(nodes_ptr + b + tl.zeros((BLOCK_D,), dtype=tl.int32))
+    col = tl.zeros((BLOCK_D,), dtype=tl.int32) + STATE_LEN
     for j in tl.static_range(STATE_LEN):  # output column STATE_LEN - 1 - j, newest first
         inside = cur >= 0
         col = tl.where(inside, col, col - 1)
-        from_tree = tl.load(x_ptr + (b * T + tl.maximum(cur, 0)) * dim + offs_d, mask=in_d & inside, other=0.0)
+        from_tree = tl.load(x_ptr + (b * T + cur) * dim + offs_d, mask=in_d & inside, other=0.0)
         from_state = tl.load(state_ptr + (b * dim + offs_d) * STATE_LEN + col, mask=in_d & ~inside, other=0.0)
         value = tl.where(inside, from_tree.to(out_ptr.dtype.element_ty), from_state.to(out_ptr.dtype.element_ty))
         tl.store(out_ptr + (b * dim + offs_d) * STATE_LEN + (STATE_LEN - 1 - j), value, mask=in_d)
-        cur = tl.where(inside, tl.load(parents_ptr + b * T + tl.maximum(cur, 0)), -1)
+        cur = tl.where(inside, tl.load(parents_ptr + b * T + cur, mask=in_d & inside, other=-1), -1)
 
 
 def tree_conv1d(x, weight, bias, parents, conv_state, silu):
