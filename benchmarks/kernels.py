@@ -1,6 +1,6 @@
 """Tree scan vs the ways an SSM can verify a token tree without it, at real Mamba2 layer shapes.
 
-For each layer shape and tree size T, times in one run (median of repeats):
+For each layer shape and tree size T, times in one run (fastest of interleaved repeats):
   tree_random  tree_scan over a random T-node tree (with an initial state, D, dt_bias, softplus)
   tree_chain   tree_scan over a T-node chain
   step1        one single-token state update (the decode step the tree replaces)
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -36,10 +35,11 @@ TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
 
 
 def time_all(fns, device, min_time=0.5, min_reps=7, max_reps=300):
-    """Median wall time in ms of each fn in `fns`, timed round-robin so machine drift hits all alike.
+    """Fastest wall time in ms of each fn in `fns`, timed round-robin so machine drift hits all alike.
 
     Each timed call directly follows an untimed call of the same fn, so every fn is measured warm (its data in
-    cache), as a microbenchmark loop would; the interleaving only guards the ratios against drift.
+    cache), as a microbenchmark loop would. The minimum, not the median, because on a shared machine the
+    noise only ever adds time.
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {name: [] for name in fns}
@@ -53,7 +53,7 @@ def time_all(fns, device, min_time=0.5, min_reps=7, max_reps=300):
             fn()
             sync()
             times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {name: 1e3 * min(t) for name, t in times.items()}
 
 
 def make_layer(shape, batch, T, device, dtype, generator):

@@ -88,22 +88,25 @@ def check_nodes(nodes, batch, T, device):
     return nodes
 
 
-def ancestor_mask(parents):
-    """Ancestor-or-self relation of a batch of trees.
+def ancestor_matrix(parents, dtype=torch.float32):
+    """Ancestor-or-self relation of a batch of trees as a 0/1 matrix.
 
     parents (batch, T) int64, topological, -1 = child of the prefix.
-    Returns mask (batch, T, T) bool with mask[b, i, k] = (k is on path(i)), path including i itself.
-    Pointer doubling: after j rounds every row holds the ancestors at distance < 2**j, so the loop runs
-    ceil(log2(T)) times with O(T^2) work each, never over nodes.
+    Returns (batch, T, T) in `dtype` with [b, i, k] = 1 if k is on path(i) (path including i itself), else 0.
+    With P the parent adjacency (P[i, parent(i)] = 1), (I - P)^-1 = I + P + P^2 + ... counts the paths from i
+    to each ancestor, and there is exactly one: one triangular solve, exact in floating point.
     """
     batch, T = parents.shape
-    # Row T is a sentinel for "outside the tree": it is empty and its own ancestor.
-    mask = torch.eye(T + 1, T, dtype=torch.bool, device=parents.device).expand(batch, T + 1, T)
-    jump = F.pad(parents.masked_fill(parents < 0, T), (0, 1), value=T)
-    for _ in range(max(T - 1, 0).bit_length()):
-        mask = mask | mask.gather(1, jump[..., None].expand(batch, T + 1, T))
-        jump = jump.gather(1, jump)
-    return mask[:, :T]
+    eye = torch.eye(T, dtype=dtype, device=parents.device)
+    adjacency = torch.zeros(batch, T, T + 1, dtype=dtype, device=parents.device)  # column T: the prefix
+    adjacency.scatter_(2, parents.masked_fill(parents < 0, T)[..., None], 1.0)
+    return torch.linalg.solve_triangular(eye - adjacency[..., :T], eye.expand(batch, T, T), upper=False,
+                                         unitriangular=True)
+
+
+def ancestor_mask(parents):
+    """(batch, T, T) bool, [b, i, k] = node k is on path(i) (i itself included). See ancestor_matrix."""
+    return ancestor_matrix(parents) > 0.5
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
@@ -127,6 +130,5 @@ def tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, dtype):
     s[b, i, h] = sum of dt[b, k, h] * A[h] over k on path(i): the tree's analogue of cumsum(dt * A).
     """
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
-    mask = ancestor_mask(parents)
-    s = torch.einsum("bik,bkh->bih", mask.to(dtype), dt * A.to(dtype))
-    return dt, mask, s
+    ancestors = ancestor_matrix(parents, dtype)
+    return dt, ancestors > 0.5, torch.matmul(ancestors, dt * A.to(dtype))
