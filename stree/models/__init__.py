@@ -1,0 +1,5 @@
+"""Model adapters: run a token tree through an HF model in one pass, and commit the accepted branch."""
+from .tiny import TINY_CONFIGS, tiny_model
+from .tree_model import SUPPORTED_MODEL_TYPES, TreeModel
+
+__all__ = ["TreeModel", "SUPPORTED_MODEL_TYPES", "tiny_model", "TINY_CONFIGS"]

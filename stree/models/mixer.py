@@ -1,0 +1,73 @@
+"""A Mamba2 mixer over a token tree, with the module's own weights, and the commit of its cache.
+
+All six HF families share the mixer layout (in_proj -> [gate | xBC | dt], depthwise conv on xBC, SSD, gated
+norm, out_proj); FalconH1 adds an input multiplier, a per-segment mup_vector on in_proj's output and an optional
+norm. The tree pass mirrors HF's single-token *decode* path (no dt clamp: the decode path has none), because
+HF's greedy generate runs every new token through it.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..triton_kernels import tree_conv1d, tree_conv_state, tree_scan, tree_states
+
+MIXER_ATTRIBUTES = ("A_log", "dt_bias", "D", "conv1d", "in_proj", "out_proj", "norm", "layer_idx")
+
+
+def is_mamba_mixer(module):
+    return all(hasattr(module, name) for name in MIXER_ATTRIBUTES)
+
+
+@dataclass
+class MixerTreeInputs:
+    """What a mixer's tree pass saw, kept until the commit. Shapes for batch b, T nodes."""
+    xbc: torch.Tensor   # (b, T, conv_dim) pre-conv inputs
+    x: torch.Tensor     # (b, T, nheads, headdim) post-conv SSM inputs
+    dt: torch.Tensor    # (b, T, nheads) raw dt (before dt_bias / softplus)
+    B: torch.Tensor     # (b, T, ngroups, dstate)
+
+
+def mixer_tree_forward(mixer, hidden_states, cache_layer, parents):
+    """Run `mixer` over a tree on top of its cached prefix state, without writing the cache.
+
+    hidden_states (b, T, hidden); cache_layer holds conv_states[0] (b, conv_dim, K) and recurrent_states[0]
+    (b, nheads, headdim, dstate); parents (b, T). Returns (output (b, T, hidden), MixerTreeInputs).
+    """
+    batch, T, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    falcon = hasattr(mixer, "mup_vector")
+    if falcon:
+        hidden_states = hidden_states * mixer.ssm_in_multiplier
+    projected = mixer.in_proj(hidden_states)
+    if falcon:
+        projected = projected * mixer.mup_vector
+    gate, xbc, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    conv_out = tree_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, parents, cache_layer.conv_states[0],
+                           activation=mixer.activation)
+    group_width = mixer.n_groups * mixer.ssm_state_size
+    x, B, C = conv_out.split([mixer.intermediate_size, group_width, group_width], dim=-1)
+    x = x.reshape(batch, T, mixer.num_heads, mixer.head_dim)
+    B = B.reshape(batch, T, mixer.n_groups, mixer.ssm_state_size)
+    C = C.reshape(batch, T, mixer.n_groups, mixer.ssm_state_size)
+    A = -torch.exp(mixer.A_log.float())
+    y = tree_scan(x, dt, A, B, C, parents, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True,
+                  initial_states=cache_layer.recurrent_states[0])
+    y = y.reshape(batch, T, mixer.intermediate_size)
+    if falcon and not mixer.mamba_rms_norm:
+        y = y * F.silu(gate)
+    else:
+        y = mixer.norm(y, gate)
+    return mixer.out_proj(y.to(dtype)), MixerTreeInputs(xbc, x, dt, B)
+
+
+def commit_mixer(mixer, cache_layer, inputs, parents, nodes):
+    """Overwrite the layer's cached conv and SSM states, in place, with those after path(nodes[b])."""
+    conv_state = cache_layer.conv_states[0]
+    ssm_state = cache_layer.recurrent_states[0]
+    A = -torch.exp(mixer.A_log.float())
+    new_ssm = tree_states(inputs.x, inputs.dt, A, inputs.B, parents, nodes, dt_bias=mixer.dt_bias,
+                          dt_softplus=True, initial_states=ssm_state)
+    new_conv = tree_conv_state(inputs.xbc, parents, nodes, conv_state)
+    ssm_state.copy_(new_ssm)
+    conv_state.copy_(new_conv)

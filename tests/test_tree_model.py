@@ -1,0 +1,90 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from loops import path_to
+from stree import random_parents
+from stree.models import TINY_CONFIGS, TreeModel, tiny_model
+
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+def decode_sequentially(model, prompt, continuation):
+    """HF's own path: a chunked prefill of the prompt, then one cached single-token forward per token.
+
+    Returns (logits after the last token (vocab,), the cache)."""
+    cache = DynamicCache(config=model.config)
+    P = prompt.shape[1]
+    with torch.no_grad():
+        logits = model(prompt, cache=cache, use_cache=True, position_ids=torch.arange(P)[None]).logits[0, -1]
+        for k, token in enumerate(continuation):
+            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True,
+                           position_ids=torch.tensor([[P + k]])).logits[0, -1]
+    return logits, cache
+
+
+def random_tree(T, seed, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    parents = random_parents(T, g, max_children=3)
+    return torch.randint(0, vocab, (T,), generator=g).tolist(), parents
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_logits_equal_sequential_decode_of_each_path(family):
+    model = tiny_model(family, dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    tokens, parents = random_tree(12, seed=2)
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    logits = tm.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    assert logits.shape == (12, model.config.vocab_size)
+    for i in range(12):
+        want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
+        torch.testing.assert_close(logits[i], want, rtol=1e-6, atol=1e-6)
+
+
+def layer_tensors(cache):
+    """Every cached tensor of every layer, by name, for comparing two caches."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.numel():
+                out[f"{i}.{name}"] = t
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict) and states.get(0) is not None:
+                out[f"{i}.{name}"] = states[0]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("accepted", [0, 5, 11, -1])
+def test_commit_equals_feeding_the_path(family, accepted):
+    model = tiny_model(family, dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(3))
+    tokens, parents = random_tree(12, seed=4)
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    tm.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))
+    tm.commit(torch.tensor([accepted]))
+    path = [tokens[k] for k in path_to(parents, accepted)] if accepted >= 0 else []
+    assert tm.length == 7 + len(path)
+    _, ref_cache = decode_sequentially(model, prompt, path)
+    got, want = layer_tensors(tm.cache), layer_tensors(ref_cache)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=1e-6, atol=1e-6, msg=name)
+    # The committed cache keeps working: two more trees on top still equal sequential decoding.
+    tm.tree_forward(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]))
+    tm.commit(torch.tensor([1]))
+    got_logits = tm.tree_forward(torch.tensor([[7]]), torch.tensor([[-1]]))[0, 0]
+    want_logits, _ = decode_sequentially(model, prompt, path + [5, 6, 7])
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_unsupported_model_lists_supported():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="mamba2, bamba"):
+        TreeModel(model)
