@@ -1,5 +1,19 @@
-"""stree: speculative tree decoding and tree search for Mamba2 and hybrid (SSM + attention) models."""
+"""stree: speculative tree decoding and tree search for Mamba2 and hybrid (SSM + attention) models.
+
+Kernels alone: ``stree.triton_kernels`` (imports neither transformers nor the model code).
+"""
 from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
 
 __version__ = "0.1.0"
-__all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents"]
+__all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
+           "TreeModel"]
+
+_LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models"}
+
+
+def __getattr__(name):
+    # The decoding side imports transformers; load it on first use so kernel users do not pay for it.
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'stree' has no attribute {name!r}")

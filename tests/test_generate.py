@@ -1,0 +1,152 @@
+import copy
+
+import pytest
+import torch
+
+import stree
+from stree.models import TINY_CONFIGS, tiny_model
+
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+def without_eos(model):
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def noisy_copy(model, scale, seed):
+    """A draft that agrees with the target often but not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return draft
+
+
+def hf_greedy(model, prompt, n, **kwargs):
+    """HF's own greedy search. The explicit all-ones mask matters: without it HF masks every prompt token that
+    equals pad_token_id."""
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
+                              **kwargs)
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (1, n), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_hf_generate(family):
+    target = without_eos(tiny_model(family, dtype=torch.float64))
+    draft = noisy_copy(target, scale=0.01, seed=1)
+    per_pass = []
+    for prompt in prompts([1, 6, 17]):
+        want = hf_greedy(target, prompt, 120)
+        got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=120, return_stats=True)
+        assert torch.equal(got, want)
+        assert stats.new_tokens == 120 and sum(stats.tokens_per_pass) == 119  # the first token is the prefill's
+        per_pass += stats.tokens_per_pass
+    # The draft must be both accepted deep into the tree and rejected, or the test exercises too little.
+    assert max(per_pass) >= 4 and min(per_pass) == 1, per_pass
+
+
+@pytest.mark.parametrize("tree", [(1, 1, 1, 1), (3, 2, 2, 1), (2,), (4, 1, 3)])
+def test_long_output_any_tree(tree):
+    target = without_eos(tiny_model("bamba", dtype=torch.float64, seed=3))
+    draft = noisy_copy(target, scale=0.01, seed=2)
+    prompt = prompts([4], seed=5)[0]
+    want = hf_greedy(target, prompt, 300)
+    assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=300, tree=tree), want)
+
+
+@pytest.mark.parametrize("draft_family", ["mamba2", "llama", "qwen2"])
+def test_other_draft_families(draft_family):
+    """The draft may be any supported causal LM with the same vocabulary: SSM, hybrid or Transformer."""
+    target = without_eos(tiny_model("nemotron_h", dtype=torch.float64))
+    if draft_family == "mamba2":
+        draft = tiny_model("mamba2", dtype=torch.float64, seed=7)
+    else:
+        import transformers
+        config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[draft_family]
+        model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[draft_family]
+        torch.manual_seed(0)
+        draft = model_cls(config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).double().eval()
+    for prompt in prompts([3, 9], seed=6):
+        want = hf_greedy(target, prompt, 60)
+        assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=60), want)
+
+
+def test_self_draft_accepts_every_level():
+    target = without_eos(tiny_model("zamba2", dtype=torch.float64))
+    prompt = prompts([5])[0]
+    got, stats = stree.generate(target, prompt, draft_model=target, max_new_tokens=41, tree=(2, 2, 1, 1),
+                                return_stats=True)
+    assert torch.equal(got, hf_greedy(target, prompt, 41))
+    assert stats.tokens_per_pass == [5] * 8 and stats.target_passes == 8 and stats.draft_passes == 32
+
+
+@pytest.mark.parametrize("family", ["mamba2", "falcon_h1"])
+def test_eos_inside_an_accepted_path(family):
+    target = without_eos(tiny_model(family, dtype=torch.float64))
+    prompt = prompts([4], seed=8)[0]
+    reference = hf_greedy(target, prompt, 60)[0, 4:].tolist()
+    # With the target as its own draft, 4 of every 5 tokens come from accepted draft nodes: pick such a token
+    # that appears for the first time there.
+    k = next(k for k in range(6, 60) if k % 5 not in (0,) and reference[k] not in reference[:k])
+    eos = reference[k]
+    want = hf_greedy(target, prompt, 60, eos_token_id=eos)
+    got = stree.generate(target, prompt, draft_model=target, max_new_tokens=60, eos_token_id=eos, tree=(1, 1, 1, 1))
+    assert torch.equal(got, want) and got.shape[1] == 4 + k + 1
+    # The target's own generation_config.eos_token_id is the default, as in HF.
+    target.generation_config.eos_token_id = [eos]
+    assert torch.equal(stree.generate(target, prompt, draft_model=target, max_new_tokens=60), want)
+
+
+def test_max_new_tokens_zero_and_one_and_one_token_prompt():
+    target = without_eos(tiny_model("granitemoehybrid", dtype=torch.float64))
+    draft = noisy_copy(target, 0.02, 0)
+    prompt = prompts([1])[0]
+    assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=0), prompt)
+    assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=1), hf_greedy(target, prompt, 1))
+    assert torch.equal(stree.generate(target, prompt[0], draft_model=draft, max_new_tokens=7),
+                       hf_greedy(target, prompt, 7))
+
+
+def test_float32_matches_hf():
+    """float32: equal to HF unless two top logits tie within rounding (documented tie policy); none here."""
+    target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=11))
+    draft = noisy_copy(target, 0.02, 3)
+    for prompt in prompts([2, 12], seed=12):
+        assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=80),
+                           hf_greedy(target, prompt, 80))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "prompt_length >= 1"),
+    (dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError, "batch 1"),
+    (dict(input_ids=torch.zeros(1, 3)), ValueError, "integer tensor"),
+    (dict(max_new_tokens=-1), ValueError, "non-negative"),
+    (dict(max_new_tokens=2.5), ValueError, "non-negative"),
+    (dict(tree=(2, 0)), ValueError, "positive ints"),
+    (dict(tree="32"), ValueError, "positive ints"),
+    (dict(tree=[]), ValueError, "positive ints"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(temperature=1.0), NotImplementedError, "sampling"),
+    (dict(top_k=5), ValueError, "top_k"),
+])
+def test_bad_input(kwargs, error, message):
+    target = tiny_model("mamba2")
+    args = dict(input_ids=torch.zeros(1, 3, dtype=torch.long), draft_model=target, max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        stree.generate(target, **args)
+
+
+def test_vocab_mismatch():
+    target = tiny_model("mamba2")
+    draft = tiny_model("mamba2", vocab_size=80)
+    with pytest.raises(ValueError, match="vocabulary"):
+        stree.generate(target, torch.zeros(1, 3, dtype=torch.long), draft_model=draft, max_new_tokens=4)
