@@ -5,6 +5,17 @@ Every function walks the tree node by node in float64, exactly as the recurrence
 import torch
 import torch.nn.functional as F
 
+from stree import random_parents
+
+BACKENDS = ["torch", "triton"]
+KINDS = ["chain", "star", "random", "deep"]
+
+
+def random_rows(kind, T, batch, seed):
+    """`batch` random parent lists of one kind (see stree.random_parents), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [random_parents(T, g, kind=kind) for _ in range(batch)]
+
 
 def path_to(parents, i):
     """Node ids from the root down to i."""

@@ -2,13 +2,8 @@ import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_update
 
-from loops import conv_loop, conv_windows_loop
-from stree import random_parents
+from loops import BACKENDS, KINDS, conv_loop, conv_windows_loop, random_rows
 from stree.triton_kernels import tree_conv1d, tree_conv_state
-
-BACKENDS = ["torch", "triton"]
-KINDS = ["chain", "star", "random", "deep"]
-
 
 def make_inputs(rows, dim=12, width=4, state_len=4, seed=0, dtype=torch.float32, device="cpu", bias=True):
     g = torch.Generator().manual_seed(seed)
@@ -24,17 +19,12 @@ def cpu(args):
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
 
 
-def rows_for(kind, T, batch, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [random_parents(T, g, kind=kind) for _ in range(batch)]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T", [1, 6, 37])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_conv1d_matches_loop(backend, kind, T, seed, device):
-    args = make_inputs(rows_for(kind, T, batch=2, seed=seed), dim=70, seed=seed, device=device)
+    args = make_inputs(random_rows(kind, T, batch=2, seed=seed), dim=70, seed=seed, device=device)
     y = tree_conv1d(**args, backend=backend)
     assert y.shape == args["x"].shape and y.dtype == args["x"].dtype
     torch.testing.assert_close(y.double().cpu(), conv_loop(**cpu(args)), rtol=1e-5, atol=1e-5)
@@ -44,7 +34,7 @@ def test_tree_conv1d_matches_loop(backend, kind, T, seed, device):
 @pytest.mark.parametrize("width, state_len, bias, activation", [
     (4, 3, True, "silu"), (2, 5, False, None), (1, 1, True, "identity"), (3, 2, False, "swish")])
 def test_tree_conv1d_shapes_and_options(backend, width, state_len, bias, activation, device):
-    args = make_inputs(rows_for("random", 15, batch=3, seed=2), width=width, state_len=state_len, bias=bias,
+    args = make_inputs(random_rows("random", 15, batch=3, seed=2), width=width, state_len=state_len, bias=bias,
                        seed=2, device=device)
     y = tree_conv1d(**args, activation=activation, backend=backend)
     want = conv_loop(**cpu(args), silu=activation in ("silu", "swish"))
@@ -54,7 +44,7 @@ def test_tree_conv1d_shapes_and_options(backend, width, state_len, bias, activat
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tree_conv1d_low_precision(backend, dtype, device):
-    args = make_inputs(rows_for("random", 10, batch=2, seed=3), seed=3, dtype=dtype, device=device)
+    args = make_inputs(random_rows("random", 10, batch=2, seed=3), seed=3, dtype=dtype, device=device)
     y = tree_conv1d(**args, backend=backend)
     assert y.dtype == dtype
     torch.testing.assert_close(y.double().cpu(), conv_loop(**cpu(args)), rtol=2e-2, atol=2e-2)
@@ -80,7 +70,7 @@ def test_chain_equals_hf_causal_conv(backend, device):
 @pytest.mark.parametrize("state_len", [3, 4, 6])
 def test_tree_conv_state_matches_loop(backend, kind, state_len, device):
     T = 13
-    args = make_inputs(rows_for(kind, T, batch=4, seed=state_len), dim=70, state_len=state_len, seed=state_len,
+    args = make_inputs(random_rows(kind, T, batch=4, seed=state_len), dim=70, state_len=state_len, seed=state_len,
                        device=device)
     nodes = [-1, 0, T - 1, 5]
     new = tree_conv_state(args["x"], args["parents"], torch.tensor(nodes, device=device), args["conv_state"],

@@ -29,18 +29,23 @@ def random_tree(T, seed, vocab=64):
     return torch.randint(0, vocab, (T,), generator=g).tolist(), parents
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tree_logits_equal_sequential_decode_of_each_path(family):
-    model = tiny_model(family, dtype=torch.float64)
-    prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
-    tokens, parents = random_tree(12, seed=2)
+def assert_tree_logits_match_sequential(model, prompt_len, T, seed, tol):
+    """Tree-pass logits of every node equal HF's sequential decode of prompt + path(node), within tol."""
+    prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    tokens, parents = random_tree(T, seed=seed + 1)
     tm = TreeModel(model)
     tm.prefill(prompt)
     logits = tm.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
-    assert logits.shape == (12, model.config.vocab_size)
-    for i in range(12):
+    assert logits.shape == (T, model.config.vocab_size)
+    for i in range(T):
         want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
-        torch.testing.assert_close(logits[i], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logits[i].double(), want.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_logits_equal_sequential_decode_of_each_path(family):
+    assert_tree_logits_match_sequential(tiny_model(family, dtype=torch.float64), prompt_len=9, T=12, seed=1,
+                                        tol=1e-6)
 
 
 def layer_tensors(cache):
@@ -88,3 +93,36 @@ def test_unsupported_model_lists_supported():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ValueError, match="mamba2, bamba"):
         TreeModel(model)
+
+
+@pytest.mark.parametrize("family", ["bamba", "falcon_h1"])
+def test_bfloat16_tree_pass_tracks_sequential_decode(family):
+    """Low precision runs end to end; it agrees with HF's bf16 decode to bf16 accuracy, not bit for bit."""
+    assert_tree_logits_match_sequential(tiny_model(family, dtype=torch.bfloat16), prompt_len=6, T=8, seed=0,
+                                        tol=0.05)
+
+
+def test_tree_model_usage_errors():
+    tm = TreeModel(tiny_model("mamba2"))
+    with pytest.raises(RuntimeError, match="prefill"):
+        tm.tree_forward(torch.tensor([[1]]), torch.tensor([[-1]]))
+    tm.prefill(torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match="tree_forward"):
+        tm.commit(torch.tensor([0]))
+    tm.tree_forward(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]]))
+    with pytest.raises(RuntimeError, match="not committed"):
+        tm.tree_forward(torch.tensor([[1]]), torch.tensor([[-1]]))
+    with pytest.raises(ValueError, match="node ids"):
+        tm.commit(torch.tensor([2]))
+    tm.discard()
+    assert tm.length == 2
+
+
+def test_ragged_batch_commit_is_refused():
+    tm = TreeModel(tiny_model("bamba"))
+    tm.prefill(torch.tensor([[1, 2], [3, 4]]))
+    tm.tree_forward(torch.tensor([[5, 6], [7, 8]]), torch.tensor([[-1, 0], [-1, -1]]))
+    with pytest.raises(ValueError, match="different lengths"):
+        tm.commit(torch.tensor([1, 1]))
+    tm.commit(torch.tensor([0, 1]))  # one node on each row's path
+    assert tm.length == 3

@@ -2,13 +2,9 @@ import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
-from loops import path_to, scan_loop
+from loops import BACKENDS, KINDS, path_to, random_rows, scan_loop
 from stree import random_parents
 from stree.triton_kernels import tree_scan, tree_states
-
-BACKENDS = ["torch", "triton"]
-KINDS = ["chain", "star", "random", "deep"]
-
 
 def make_inputs(parents_rows, nheads=4, ngroups=2, headdim=8, dstate=16, seed=0, dtype=torch.float32,
                 device="cpu", h0=True, d_per_channel=False):
@@ -35,17 +31,12 @@ def assert_close(actual, expected, dtype):
     assert err <= tol * scale, f"max error {err:.3g} vs scale {scale:.3g}"
 
 
-def rows_for(kind, T, batch, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [random_parents(T, g, kind=kind) for _ in range(batch)]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T", [1, 7, 40])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_scan_matches_loop(backend, kind, T, seed, device):
-    rows = rows_for(kind, T, batch=2, seed=seed)
+    rows = random_rows(kind, T, batch=2, seed=seed)
     inputs, extras = make_inputs(rows, seed=seed, device=device)
     y = tree_scan(**inputs, **extras, backend=backend)
     y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
@@ -57,7 +48,7 @@ def test_tree_scan_matches_loop(backend, kind, T, seed, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tree_scan_many_blocks_and_odd_sizes(backend, device):
     """T spans several Triton query/key blocks; headdim and dstate are not powers of two."""
-    rows = rows_for("random", 150, batch=2, seed=3) if backend == "torch" else rows_for("random", 90, 2, 3)
+    rows = random_rows("random", 150, batch=2, seed=3) if backend == "torch" else random_rows("random", 90, 2, 3)
     inputs, extras = make_inputs(rows, nheads=3, ngroups=1, headdim=20, dstate=24, seed=3, device=device,
                                  d_per_channel=True)
     y = tree_scan(**inputs, **extras, backend=backend)
@@ -69,7 +60,7 @@ def test_tree_scan_many_blocks_and_odd_sizes(backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", ["plain", "no_h0", "limit", "d_channel"])
 def test_tree_scan_options(backend, options, device):
-    rows = rows_for("random", 12, batch=3, seed=5)
+    rows = random_rows("random", 12, batch=3, seed=5)
     inputs, extras = make_inputs(rows, nheads=6, ngroups=3, seed=5, device=device, h0=options != "no_h0",
                                  d_per_channel=options == "d_channel")
     if options == "plain":
@@ -86,7 +77,7 @@ def test_tree_scan_options(backend, options, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tree_scan_low_precision(backend, dtype, device):
-    rows = rows_for("random", 20, batch=2, seed=7)
+    rows = random_rows("random", 20, batch=2, seed=7)
     inputs, extras = make_inputs(rows, seed=7, dtype=dtype, device=device)
     y = tree_scan(**inputs, **extras, backend=backend)
     assert y.dtype == dtype
@@ -96,7 +87,7 @@ def test_tree_scan_low_precision(backend, dtype, device):
 
 
 def test_tree_scan_float64_torch_is_exact():
-    rows = rows_for("random", 25, batch=2, seed=8)
+    rows = random_rows("random", 25, batch=2, seed=8)
     inputs, extras = make_inputs(rows, seed=8, dtype=torch.float64)
     extras["initial_states"] = extras["initial_states"].double()
     y = tree_scan(**inputs, **extras)
@@ -138,7 +129,7 @@ def test_chain_equals_hf_sequential_chunk_scan(backend, device):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_states_matches_loop(backend, kind, seed, device):
     T = 23
-    rows = rows_for(kind, T, batch=3, seed=seed)
+    rows = random_rows(kind, T, batch=3, seed=seed)
     inputs, extras = make_inputs(rows, seed=seed, device=device)
     extras.pop("D")
     inputs.pop("C")
@@ -158,7 +149,7 @@ def test_tree_states_matches_loop(backend, kind, seed, device):
 def test_tree_states_equals_feeding_the_path(backend, device):
     """tree_states(node=a) equals running the plain scan over path(a) as a sequence."""
     T = 30
-    rows = rows_for("random", T, batch=1, seed=4)
+    rows = random_rows("random", T, batch=1, seed=4)
     inputs, extras = make_inputs(rows, seed=4, device=device, h0=True)
     extras.pop("D")
     for a in [0, 9, T - 1]:
@@ -172,7 +163,7 @@ def test_tree_states_equals_feeding_the_path(backend, device):
 
 
 def test_tree_states_without_initial_state_returns_fp32(device):
-    rows = rows_for("random", 5, batch=1, seed=0)
+    rows = random_rows("random", 5, batch=1, seed=0)
     inputs, _ = make_inputs(rows, device=device, dtype=torch.float16)
     inputs.pop("C")
     states = tree_states(**inputs, nodes=torch.tensor([-1], device=device))

@@ -1,0 +1,165 @@
+"""End-to-end decoding: HF autoregressive greedy vs vanilla speculative (chain) vs static trees, same prompts.
+
+Reports tokens/s, tau (tokens per target pass) and speedup over autoregressive for each method, checks that every
+method's output equals the autoregressive one, and times the target's one-pass tree forward over a 16-node tree
+against its own single-token decode step (STree's tree-overhead figure). Table on stdout, JSON in
+benchmarks/results/.
+
+    python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
+    python benchmarks/generate.py --target PATH --draft PATH       # any local HF checkpoints
+    python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
+# package that transformers probes for when it is imported. Drop the folder first.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+import stree  # noqa: E402
+from stree import TokenTree  # noqa: E402
+from stree.models import TreeModel, tiny_model  # noqa: E402
+
+# Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
+PRESETS = {
+    "bamba-small": ("bamba", dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                                  attn_layer_indices=[3, 7], num_attention_heads=8, num_key_value_heads=4,
+                                  mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64)),
+    "mamba2-draft": ("mamba2", dict(vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=64,
+                                    state_size=64, n_groups=1)),
+    "mamba2-2.7b-4layers": ("mamba2", dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=4, num_heads=80,
+                                           head_dim=64, state_size=128, n_groups=1)),
+}
+TREES = {"chain-4": (1, 1, 1, 1), "tree-2211": (2, 2, 1, 1), "tree-3221": (3, 2, 2, 1), "tree-4321": (4, 3, 2, 1)}
+
+
+def load(name, dtype, device):
+    if name in PRESETS:
+        family, overrides = PRESETS[name]
+        return tiny_model(family, dtype=dtype, **overrides).to(device)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+
+
+def timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def tree_overhead(model, device, prompt_len=64, reps=20):
+    """Median time of one 16-node tree pass / one HF single-token decode step, on the same cached prefix."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
+    tree = TokenTree.from_branching((4, 3))  # 4 + 12 = 16 nodes
+    tokens = torch.randint(0, model.config.vocab_size, (1, len(tree)), device=device)
+    parents = tree.parents[None].to(device)
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True, position_ids=torch.arange(prompt_len, device=device)[None])
+    step_token = tokens[:, :1]
+    position = torch.tensor([[prompt_len]], device=device)
+    tree_times, step_times = [], []
+    for _ in range(reps):
+        _, t = timed(lambda: tm.tree_forward(tokens, parents), device)
+        tm.discard()
+        tree_times.append(t)
+        with torch.no_grad():
+            # HF's decode step on a copy-free cache: feed one token, then drop it from attention caches
+            _, t = timed(lambda: model(step_token, cache=cache, use_cache=True, position_ids=position), device)
+        for layer in cache.layers:
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[..., :prompt_len, :], layer.values[..., :prompt_len, :]
+        step_times.append(t)
+    tree_ms, step_ms = 1e3 * sorted(tree_times)[reps // 2], 1e3 * sorted(step_times)[reps // 2]
+    return dict(tree16_ms=tree_ms, decode_step_ms=step_ms, ratio=tree_ms / step_ms)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="bamba-small", help=f"a local checkpoint or one of {list(PRESETS)}")
+    parser.add_argument("--draft", default="mamba2-draft", help="a local checkpoint or a preset name")
+    parser.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--overhead-only", action="store_true", help="only the tree-forward overhead of --target")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"dtype {dtype}")
+    target = load(args.target, dtype, device)
+    n_target = sum(p.numel() for p in target.parameters())
+    print(f"target: {args.target} ({target.config.model_type}, {n_target / 1e6:.1f}M params)")
+    result = dict(device=device.type, device_name=name, dtype=args.dtype, target=args.target,
+                  target_params=n_target)
+    overhead = tree_overhead(target, device)
+    print(f"tree forward, 16 nodes: {overhead['tree16_ms']:.2f} ms; HF single-token decode: "
+          f"{overhead['decode_step_ms']:.2f} ms; ratio {overhead['ratio']:.2f}x (STree: 2.04x at 2.7B)")
+    result["tree_overhead"] = overhead
+    if not args.overhead_only:
+        draft = load(args.draft, dtype, device)
+        n_draft = sum(p.numel() for p in draft.parameters())
+        print(f"draft: {args.draft} ({draft.config.model_type}, {n_draft / 1e6:.1f}M params)")
+        print(f"prompts: {args.prompts} x {args.prompt_len} random tokens, {args.max_new_tokens} new tokens each\n")
+        target.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
+        prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
+                   for _ in range(args.prompts)]
+        rows = {}
+
+        def autoregressive(prompt):
+            return target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                   max_new_tokens=args.max_new_tokens)
+        reference, ar_time = [], 0.0
+        with torch.no_grad():
+            for prompt in prompts:
+                out, t = timed(lambda: autoregressive(prompt), device)
+                reference.append(out)
+                ar_time += t
+        n_tokens = args.prompts * args.max_new_tokens
+        rows["autoregressive"] = dict(tokens_per_s=n_tokens / ar_time, tau=1.0, exact=True, tree=None)
+        for tree_name in args.trees:
+            total, passes, exact = 0.0, [], True
+            for prompt, want in zip(prompts, reference):
+                (out, stats), t = timed(lambda: stree.generate(
+                    target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens, tree=TREES[tree_name],
+                    return_stats=True), device)
+                total += t
+                passes += stats.tokens_per_pass
+                exact &= torch.equal(out, want)
+            rows[tree_name] = dict(tokens_per_s=n_tokens / total, tau=sum(passes) / len(passes), exact=exact,
+                                   tree=TREES[tree_name])
+        ar_speed = rows["autoregressive"]["tokens_per_s"]
+        print(f"{'method':>15} {'tree':>14} {'tok/s':>9} {'tau':>6} {'speedup':>8} {'exact':>6}")
+        for method, row in rows.items():
+            row["speedup"] = row["tokens_per_s"] / ar_speed
+            print(f"{method:>15} {str(row['tree'] or '-'):>14} {row['tokens_per_s']:>9.1f} {row['tau']:>6.2f} "
+                  f"{row['speedup']:>8.2f} {str(row['exact']):>6}")
+        result.update(draft=args.draft, draft_params=n_draft, prompts=args.prompts, prompt_len=args.prompt_len,
+                      max_new_tokens=args.max_new_tokens, methods=rows)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"generate-{args.target.replace('/', '_')}-{device.type}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
