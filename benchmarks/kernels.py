@@ -34,7 +34,7 @@ SHAPES = {
 TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
 
 
-def time_all(fns, device, min_time=0.5, min_reps=7, max_reps=300):
+def time_all(fns, device, min_time=1.0, min_reps=7, max_reps=500):
     """Fastest wall time in ms of each fn in `fns`, timed round-robin so machine drift hits all alike.
 
     Each timed call directly follows an untimed call of the same fn, so every fn is measured warm (its data in

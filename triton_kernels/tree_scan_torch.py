@@ -20,9 +20,11 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
     ngroups = B.shape[2]
     dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
     xf, Cf = x.to(cd), C.to(cd)
-    # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0 (masked before exp).
+    # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
+    # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
     s_h = s.transpose(1, 2).contiguous()
-    weight = (s_h[..., :, None] - s_h[..., None, :]).masked_fill_(~mask[:, None], float("-inf")).exp_()
+    on_path = mask[:, None]
+    weight = (s_h[..., :, None] - s_h[..., None, :]).masked_fill_(~on_path, 0.0).exp_().mul_(on_path)
     weight = weight.mul_(dt.transpose(1, 2)[:, :, None, :]).view(batch, ngroups, nheads // ngroups, T, T)
     weight = weight.mul_(torch.einsum("bign,bkgn->bgik", Cf, B.to(cd))[:, :, None]).view(batch, nheads, T, T)
     y = torch.einsum("bhik,bkhp->bihp", weight, xf)
