@@ -6,9 +6,10 @@ from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
-           "TreeModel"]
+           "TreeModel", "StaticTree", "DynamicTree", "BeamTree"]
 
-_LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models"}
+_LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models", "StaticTree": ".draft",
+         "DynamicTree": ".draft", "BeamTree": ".draft"}
 
 
 def __getattr__(name):

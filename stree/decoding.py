@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft import check_branching, draft_static_tree
+from .draft import StaticTree, draft_tree, tree_spec
 from .models import TreeModel
-from .verify import verify_greedy
+from .sampling import Sampler, sample
+from .verify import verify_greedy, verify_sampling
 
-DEFAULT_TREE = (3, 2, 2, 1)
+DEFAULT_TREE = StaticTree((3, 2, 2, 1))
 
 
 @dataclass
@@ -23,6 +24,7 @@ class GenerationStats:
     target_passes: int = 0          # tree verification passes (the prefill is not counted)
     draft_passes: int = 0           # draft tree passes (the prefill is not counted)
     tokens_per_pass: list = field(default_factory=list)  # per verification: accepted drafts + bonus, as emitted
+    tree_sizes: list = field(default_factory=list)       # nodes per verified tree, root included
     draft_time: float = 0.0
     verify_time: float = 0.0
     commit_time: float = 0.0
@@ -50,7 +52,7 @@ def _timed(stats, name, device):
     setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
 
 
-def _check_inputs(model, draft_model, input_ids, max_new_tokens, temperature, top_k, top_p):
+def _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("input_ids must be an integer tensor of shape (1, prompt_length)")
     if input_ids.dim() == 1:
@@ -59,85 +61,105 @@ def _check_inputs(model, draft_model, input_ids, max_new_tokens, temperature, to
         raise ValueError(f"input_ids must have shape (1, prompt_length >= 1), got {tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"stree.generate decodes one sequence at a time (batch 1), got batch {input_ids.shape[0]}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature > 0:
-        raise NotImplementedError("sampling (temperature > 0) is not implemented yet; use temperature=0 (greedy)")
-    if top_k is not None or top_p is not None:
-        raise ValueError("top_k and top_p only apply to sampling (temperature > 0)")
+    for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if draft_model.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
                          f"({model.config.vocab_size}); they must share a tokenizer")
     return input_ids.long().to(model.device)
 
 
-def _eos_ids(eos_token_id):
+def eos_ids(eos_token_id):
+    """A set of ids from None, an int, a list of ints or a tensor."""
     if eos_token_id is None:
-        return set()
+        return frozenset()
     if isinstance(eos_token_id, torch.Tensor):
-        return set(eos_token_id.flatten().tolist())
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        return frozenset(eos_token_id.flatten().tolist())
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
 @torch.no_grad()
 def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-             eos_token_id=None, tree=DEFAULT_TREE, return_stats=False):
-    """Speculative tree decoding; with temperature 0 the output equals model.generate(do_sample=False).
+             eos_token_id=None, tree=DEFAULT_TREE, return_stats=False, min_new_tokens=0, generator=None,
+             streamer=None, stopping_criteria=None):
+    """Speculative tree decoding whose output is distributed exactly as the target's own decoding.
 
     Args:
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
         input_ids: (1, P) or (P,) prompt token ids, P >= 1.
         draft_model: any supported causal LM with the target's vocabulary.
-        max_new_tokens: at most this many new tokens.
-        temperature: 0 = greedy (sampling is not implemented yet).
-        eos_token_id: int or list of ints that end generation (the EOS is kept in the output); None = the
-            target's generation_config.eos_token_id, as HF's generate does.
-        tree: static branching spec, tree[d] draft children per node at depth d; (1, 1, 1, 1) is a chain
-            (vanilla speculative decoding).
+        max_new_tokens / min_new_tokens: bounds on the number of new tokens (EOS is banned before the minimum).
+        temperature: 0 = greedy, equal to model.generate(do_sample=False); > 0 = sampling from the target's
+            distribution after temperature, top_k and top_p (HF's order), verified losslessly.
+        eos_token_id: int or list of ints that end generation (kept in the output); None = the target's
+            generation_config.eos_token_id, as HF's generate does.
+        tree: a static branching tuple (tree[d] children per node at depth d; (1, 1, 1, 1) is vanilla speculative
+            decoding), or stree.DynamicTree(...) / stree.BeamTree(...) (beam trees: greedy only).
         return_stats: also return a GenerationStats.
+        generator: torch.Generator (CPU) for the random draws when sampling; None = the global RNG.
+        streamer: an HF streamer (e.g. TextStreamer): gets the prompt, then each round's new tokens, then end().
+        stopping_criteria: an HF StoppingCriteriaList, checked after every new token as HF does.
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
-    Exactness: the tree pass equals token-by-token decoding up to float rounding, so the output equals HF's greedy
-    search except where two top logits lie within that rounding (~1e-6 relative in float32, ~1e-14 in float64).
+    Greedy exactness: the tree pass equals token-by-token decoding up to float rounding, so the output equals HF's
+    greedy search except where two top logits lie within that rounding (~1e-6 relative in float32).
     """
-    input_ids = _check_inputs(model, draft_model, input_ids, max_new_tokens, temperature, top_k, top_p)
-    branching = check_branching(tree)
-    eos = _eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
+    input_ids = _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens)
+    spec = tree_spec(tree)
+    eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
+    sampler = Sampler(temperature, top_k, top_p, min_new_tokens, eos)
     stats = GenerationStats()
     device = input_ids.device
     start = time.perf_counter()
     generated = []
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
 
     def emit(tokens):
-        """Append tokens until EOS or the length limit; True when generation is over."""
-        for token in tokens:
+        """Append tokens until a stop condition; True when generation is over."""
+        done = False
+        for count, token in enumerate(tokens, 1):
             generated.append(token)
-            if token in eos or len(generated) == max_new_tokens:
-                return True
-        return False
+            done = token in eos or len(generated) == max_new_tokens or (
+                stopping_criteria is not None and bool(stopping_criteria(
+                    torch.cat([input_ids, torch.tensor([generated], device=device)], dim=1), None).all()))
+            if done:
+                break
+        if streamer is not None:
+            streamer.put(torch.tensor(tokens[:count]))
+        return done
+
+    def pick(logits):
+        scores = sampler.scores(logits, len(generated))
+        return int(scores.argmax()) if sampler.greedy else sample(scores.softmax(-1), generator)
 
     done = max_new_tokens == 0
     if not done:
         target, draft = TreeModel(model), TreeModel(draft_model)
-        root = int(target.prefill(input_ids)[0, -1].argmax())
+        root = pick(target.prefill(input_ids)[0, -1])
         draft.prefill(input_ids)
         done = emit([root])
         trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree
     while not done:
         with _timed(stats, "draft_time", device):
-            draft_tokens, draft_parents, covered = draft_static_tree(draft, trunk, branching)
-        stats.draft_passes += len(branching)
+            drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator)
+        stats.draft_passes += drafted.passes
         offset = len(trunk) - 1  # the root's index in the draft's tree; the target's tree starts at the root
-        tokens = draft_tokens[offset:]
-        parents = [p - offset for p in draft_parents[offset:]]
+        tokens = drafted.tokens[offset:]
+        parents = [p - offset for p in drafted.parents[offset:]]
         with _timed(stats, "verify_time", device):
             logits = target.tree_forward(torch.tensor([tokens], device=device),
                                          torch.tensor([parents], device=device))[0]
-            accepted, bonus = verify_greedy(tokens, parents, logits)
+            scores = sampler.scores(logits, len(generated) + torch.tensor(drafted.depth[offset:], device=device))
+            if sampler.greedy:
+                accepted, bonus = verify_greedy(tokens, parents, scores)
+            else:
+                draft_probs = {node - offset: q for node, q in drafted.probs.items()}
+                accepted, bonus = verify_sampling(tokens, parents, scores.softmax(-1), draft_probs, generator)
         stats.target_passes += 1
+        stats.tree_sizes.append(len(tokens))
         emitted_before = len(generated)
         done = emit([tokens[n] for n in accepted[1:]] + [bonus])
         stats.tokens_per_pass.append(len(generated) - emitted_before)
@@ -145,9 +167,11 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             break
         with _timed(stats, "commit_time", device):
             target.commit([accepted[-1]])
-            in_draft = [n + offset for n in accepted]
-            draft.commit([max(n for n in in_draft if n < covered)])
-            trunk = [draft_tokens[n] for n in in_draft if n >= covered] + [bonus]
+            path = [drafted.pass_index[n + offset] for n in accepted]
+            draft.commit([max(path)])
+            trunk = [tokens[n] for n, index in zip(accepted, path) if index < 0] + [bonus]
+    if streamer is not None:
+        streamer.end()
     stats.new_tokens = len(generated)
     stats.total_time = time.perf_counter() - start
     output = torch.cat([input_ids, torch.tensor([generated], dtype=torch.long, device=device)], dim=1)

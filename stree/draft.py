@@ -1,39 +1,207 @@
-"""Drafting: grow a static token tree from a draft model's top-k, one draft forward pass per level."""
+"""Drafting: grow a token tree from a draft model, one draft tree pass per level.
+
+Three shapes, chosen by the `tree=` argument of generate():
+  StaticTree((3, 2, 2, 1))  fixed children per depth (a plain tuple of ints means this);
+  DynamicTree(budget, ...)  EAGLE-2 style: expand the most probable paths (joint draft probability), keep the
+                            `budget` best nodes;
+  BeamTree(beams, steps)    the draft's beam search, the surviving beams' paths merged into one tree (greedy only).
+With sampling, a node's children are drawn from the draft's distribution one after another without replacement and
+the number of children of a node never depends on the children drawn, which keeps verification lossless.
+"""
+from dataclasses import dataclass, field
+
 import torch
 
+from .sampling import sample_without_replacement
 from .tree import static_parents
 
 
-def check_branching(branching):
-    """Validate a static branching spec (a non-empty sequence of positive ints) and return it as a tuple."""
-    static_parents(branching)  # raises ValueError with a clear message
-    return tuple(branching)
+@dataclass(frozen=True)
+class StaticTree:
+    branching: tuple
+
+    def __post_init__(self):
+        static_parents(self.branching)  # raises ValueError on a bad spec
+        object.__setattr__(self, "branching", tuple(self.branching))
 
 
-def draft_static_tree(draft, trunk, branching):
-    """Grow a tree below trunk[-1] with branching[d] draft top-k children per node at depth d.
+@dataclass(frozen=True)
+class DynamicTree:
+    """budget: draft nodes per tree (root excluded); depth: levels; top_k: children per expanded node;
+    frontier: nodes expanded per level, the most probable paths first."""
+    budget: int = 24
+    depth: int = 6
+    top_k: int = 4
+    frontier: int = 4
 
-    draft: a prefilled stree.models.TreeModel. trunk: token ids not yet in the draft's cache, fed as a chain;
-    its last token is the root of the speculation. Level by level, the whole tree so far goes through the draft
-    in one tree pass and each frontier node gets its top-k tokens as children.
-    Returns (tokens, parents, covered): python lists in topological order (trunk first) and the number of leading
-    nodes that the draft's last pass saw; that pass is left uncommitted, so draft.commit() may take any of them.
+    def __post_init__(self):
+        _check_positive(self, ("budget", "depth", "top_k", "frontier"))
+
+
+@dataclass(frozen=True)
+class BeamTree:
+    """The draft's beam search with `beams` beams over `steps` tokens; at most beams * steps nodes."""
+    beams: int = 4
+    steps: int = 4
+
+    def __post_init__(self):
+        _check_positive(self, ("beams", "steps"))
+
+
+def _check_positive(spec, names):
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(spec).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def tree_spec(tree):
+    """A StaticTree / DynamicTree / BeamTree from generate()'s `tree` argument (a branching tuple allowed)."""
+    if isinstance(tree, (StaticTree, DynamicTree, BeamTree)):
+        return tree
+    if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
+        raise ValueError(f"tree must be a sequence of positive ints (a static branching spec), a DynamicTree or a "
+                         f"BeamTree, got {tree!r}")
+    return StaticTree(tuple(tree))
+
+
+@dataclass
+class DraftedTree:
+    """A drafted tree, trunk first. Node lists are in topological order."""
+    tokens: list
+    parents: list
+    depth: list          # depth below the root of the speculation (trunk nodes before the root: negative)
+    pass_index: list     # each node's index in the draft's last, uncommitted tree pass; -1 if it was not in it
+    passes: int          # draft tree passes spent
+    probs: dict = field(default_factory=dict)  # node -> draft distribution its children were drawn from
+
+
+class _Growth:
+    """The tree being drafted: trunk as a chain, then nodes appended level by level."""
+
+    def __init__(self, draft, trunk, sampler, generated, generator):
+        self.draft, self.sampler, self.generator = draft, sampler, generator
+        self.generated = generated  # new tokens emitted before the root's successor is predicted
+        self.tokens = list(trunk)
+        self.parents = list(range(-1, len(trunk) - 1))
+        self.depth = list(range(1 - len(trunk), 1))
+        self.probs = {}
+        self.passed = 0  # nodes seen by the latest draft pass
+        self.passes = 0
+
+    @property
+    def root(self):
+        return self.depth.index(0)
+
+    def run_draft(self):
+        """One draft tree pass over everything grown so far; returns logits (T, vocab)."""
+        if self.passed:
+            self.draft.discard()
+        device = self.draft.model.device
+        logits = self.draft.tree_forward(torch.tensor([self.tokens], device=device),
+                                         torch.tensor([self.parents], device=device))[0]
+        self.passed = len(self.tokens)
+        self.passes += 1
+        return logits
+
+    def log_probs(self, logits, node):
+        return self.sampler.scores(logits[node], self.generated + self.depth[node]).log_softmax(-1)
+
+    def children(self, logits, node, k):
+        """k children of `node`: the top-k tokens when greedy, else k draws without replacement.
+
+        Returns [(token, log q(token))] in drawing order."""
+        log_q = self.log_probs(logits, node)
+        if self.sampler.greedy:
+            picked = log_q.topk(k).indices.tolist()
+        else:
+            self.probs[node] = log_q.exp()
+            picked = sample_without_replacement(self.probs[node], k, self.generator)
+        return [(t, float(log_q[t])) for t in picked]
+
+    def add(self, parent, token):
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        return len(self.tokens) - 1
+
+    def result(self, keep=None):
+        """The DraftedTree; keep (sorted node ids, trunk included) restricts it to a subtree, order preserved."""
+        keep = list(range(len(self.tokens))) if keep is None else keep
+        new_id = {old: new for new, old in enumerate(keep)}
+        return DraftedTree(tokens=[self.tokens[i] for i in keep],
+                           parents=[new_id[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+                           depth=[self.depth[i] for i in keep],
+                           pass_index=[i if i < self.passed else -1 for i in keep], passes=self.passes,
+                           probs={new_id[i]: q for i, q in self.probs.items() if i in new_id})
+
+
+def _static(growth, spec):
+    frontier = [growth.root]
+    for width in spec.branching:
+        logits = growth.run_draft()
+        frontier = [growth.add(node, token) for node in frontier for token, _ in growth.children(logits, node, width)]
+    return growth.result()
+
+
+def _dynamic(growth, spec):
+    joint = {growth.root: 0.0}  # log draft probability of the path below the root
+    frontier = [growth.root]
+    for _ in range(spec.depth):
+        expand = sorted(frontier, key=lambda n: -joint[n])[:spec.frontier]
+        if not growth.sampler.greedy:  # the budget is spent during growth; ranks are known before drawing
+            room = spec.budget - (len(growth.tokens) - growth.root - 1)
+            expand = expand[:room // spec.top_k]
+        if not expand:
+            break
+        logits = growth.run_draft()
+        frontier = []
+        for node in expand:
+            for token, log_q in growth.children(logits, node, spec.top_k):
+                child = growth.add(node, token)
+                joint[child] = joint[node] + log_q
+                frontier.append(child)
+    if not growth.sampler.greedy:
+        return growth.result()
+    # Greedy: keep the `budget` most probable nodes; a path's probability never exceeds its prefix's, so
+    # ancestors rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes).
+    best = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
+    return growth.result(sorted(set(range(growth.root + 1)) | set(best) | _ancestors(growth.parents, best)))
+
+
+def _beam(growth, spec):
+    if not growth.sampler.greedy:
+        raise ValueError("BeamTree is deterministic and cannot be verified losslessly when sampling; use a "
+                         "StaticTree or DynamicTree with temperature > 0")
+    beams = [(growth.root, 0.0)]
+    for _ in range(spec.steps):
+        logits = growth.run_draft()
+        candidates = [(score + log_q, node, token) for node, score in beams
+                      for token, log_q in growth.children(logits, node, spec.beams)]
+        candidates.sort(key=lambda c: -c[0])
+        beams = [(growth.add(node, token), score) for score, node, token in candidates[:spec.beams]]
+    leaves = [node for node, _ in beams]
+    return growth.result(sorted(set(range(growth.root + 1)) | set(leaves) | _ancestors(growth.parents, leaves)))
+
+
+def _ancestors(parents, nodes):
+    found = set()
+    for node in nodes:
+        node = parents[node]
+        while node >= 0 and node not in found:
+            found.add(node)
+            node = parents[node]
+    return found
+
+
+_GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}
+
+
+def draft_tree(draft, trunk, spec, sampler, generated, generator=None):
+    """Draft a tree below trunk[-1] (the speculation's root) with a prefilled stree.models.TreeModel.
+
+    trunk: tokens not yet in the draft's cache, fed as a chain, the root last. generated: new tokens emitted
+    before the token that follows the root (for min_new_tokens). The draft's last pass is left uncommitted, so
+    draft.commit() may take any node whose pass_index is not -1.
     """
-    device = draft.model.device
-    tokens = list(trunk)
-    parents = list(range(-1, len(trunk) - 1))
-    frontier = [len(trunk) - 1]
-    for level, width in enumerate(branching):
-        if level:
-            draft.discard()
-        covered = len(tokens)
-        logits = draft.tree_forward(torch.tensor([tokens], device=device), torch.tensor([parents], device=device))[0]
-        children = logits[frontier].topk(width, dim=-1).indices.tolist()
-        next_frontier = []
-        for node, kids in zip(frontier, children):
-            for token in kids:
-                parents.append(node)
-                tokens.append(token)
-                next_frontier.append(len(tokens) - 1)
-        frontier = next_frontier
-    return tokens, parents, covered
+    return _GROW[type(spec)](_Growth(draft, trunk, sampler, generated, generator), spec)

@@ -52,7 +52,9 @@ def test_greedy_equals_hf_generate(family):
     assert max(per_pass) >= 4 and min(per_pass) == 1, per_pass
 
 
-@pytest.mark.parametrize("tree", [(1, 1, 1, 1), (3, 2, 2, 1), (2,), (4, 1, 3)])
+@pytest.mark.parametrize("tree", [(1, 1, 1, 1), (3, 2, 2, 1), (2,), (4, 1, 3), stree.DynamicTree(),
+                                  stree.DynamicTree(budget=5, depth=8, top_k=2, frontier=1),
+                                  stree.BeamTree(), stree.BeamTree(beams=2, steps=6)])
 def test_long_output_any_tree(tree):
     target = without_eos(tiny_model("bamba", dtype=torch.float64, seed=3))
     draft = noisy_copy(target, scale=0.01, seed=2)
@@ -131,10 +133,14 @@ def test_float32_matches_hf():
     (dict(max_new_tokens=-1), ValueError, "non-negative"),
     (dict(max_new_tokens=2.5), ValueError, "non-negative"),
     (dict(tree=(2, 0)), ValueError, "positive ints"),
+    (dict(tree=5), ValueError, "sequence of positive ints"),
     (dict(tree="32"), ValueError, "positive ints"),
     (dict(tree=[]), ValueError, "positive ints"),
     (dict(temperature=-1.0), ValueError, "temperature"),
-    (dict(temperature=1.0), NotImplementedError, "sampling"),
+    (dict(temperature=1.0, tree=stree.BeamTree()), ValueError, "BeamTree"),
+    (dict(temperature=1.0, top_p=1.5), ValueError, "top_p"),
+    (dict(temperature=1.0, top_k=0), ValueError, "top_k"),
+    (dict(min_new_tokens=-2), ValueError, "min_new_tokens"),
     (dict(top_k=5), ValueError, "top_k"),
 ])
 def test_bad_input(kwargs, error, message):
@@ -150,3 +156,21 @@ def test_vocab_mismatch():
     draft = tiny_model("mamba2", vocab_size=80)
     with pytest.raises(ValueError, match="vocabulary"):
         stree.generate(target, torch.zeros(1, 3, dtype=torch.long), draft_model=draft, max_new_tokens=4)
+
+
+def test_bad_tree_specs():
+    with pytest.raises(ValueError, match="budget"):
+        stree.DynamicTree(budget=0)
+    with pytest.raises(ValueError, match="beams"):
+        stree.BeamTree(beams=1.5)
+    with pytest.raises(ValueError, match="positive ints"):
+        stree.StaticTree((1, -1))
+
+
+@pytest.mark.parametrize("tree, most_nodes", [(stree.DynamicTree(budget=7, depth=5, top_k=3, frontier=2), 8),
+                                              (stree.BeamTree(beams=3, steps=4), 13)])
+def test_dynamic_and_beam_tree_sizes(tree, most_nodes):
+    target = without_eos(tiny_model("mamba2", dtype=torch.float64))
+    _, stats = stree.generate(target, prompts([3])[0], draft_model=noisy_copy(target, 0.01, 4), max_new_tokens=40,
+                              tree=tree, return_stats=True)
+    assert max(stats.tree_sizes) <= most_nodes and min(stats.tree_sizes) > 1

@@ -1,0 +1,81 @@
+"""Sampling distributions and draws shared by drafting and verification.
+
+The target's sampling distribution is HF's: logits -> temperature -> top-k -> top-p -> softmax (the order of
+HF's logits warpers; min_new_tokens, when set, first bans the EOS ids). The draft's distribution is processed the
+same way; it only affects speed, never the output distribution.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How logits become a distribution. temperature 0 = greedy (argmax)."""
+    temperature: float = 0.0
+    top_k: int = None
+    top_p: float = None
+    min_new_tokens: int = 0
+    eos_ids: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.greedy and (self.top_k is not None or self.top_p is not None):
+            raise ValueError("top_k and top_p only apply to sampling (temperature > 0)")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+    def scores(self, logits, generated):
+        """Processed logits (..., vocab) in float64 for a row whose sequence already holds `generated` new tokens.
+
+        generated: int or a tensor broadcastable to logits.shape[:-1] (one count per row).
+        """
+        scores = logits.double()
+        if self.min_new_tokens and self.eos_ids:
+            banned = torch.as_tensor(generated, device=scores.device) < self.min_new_tokens
+            eos = torch.tensor(sorted(self.eos_ids), device=scores.device)
+            scores = scores.clone()
+            scores[..., eos] = torch.where(banned[..., None], float("-inf"), scores[..., eos])
+        if self.greedy:
+            return scores
+        scores = scores / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th are kept, as in HF
+        if self.top_p is not None and self.top_p < 1.0:
+            ascending, order = scores.sort(dim=-1)
+            tail_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+            drop = tail_mass <= 1.0 - self.top_p
+            drop[..., -1] = False  # always keep the most likely token
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return scores
+
+    def probs(self, logits, generated):
+        """The sampling distribution (..., vocab), float64."""
+        return self.scores(logits, generated).softmax(dim=-1)
+
+
+def sample(probs, generator=None):
+    """One token id drawn from probs (vocab,). Draws happen on the CPU, where `generator` lives."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_without_replacement(probs, k, generator=None):
+    """Up to k distinct token ids drawn one after another from probs (vocab,), each renormalised over the rest.
+
+    Gumbel-top-k: the order of log p + Gumbel noise is distributed as sequential sampling without replacement.
+    Fewer than k come back when probs has fewer than k non-zero entries.
+    """
+    probs = probs.cpu()
+    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype).clamp_(min=1e-300)
+    keys = probs.log() - (-uniform.log()).log()
+    top = keys.topk(min(k, probs.shape[-1]))
+    return [t for t, key in zip(top.indices.tolist(), top.values.tolist()) if key != float("-inf")]

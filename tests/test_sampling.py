@@ -1,0 +1,205 @@
+"""Lossless sampling: processed distributions equal HF's, draws are distributed as claimed, and speculative
+verification reproduces the target's distribution (chi-square tests on seeded samples, able to fail)."""
+import itertools
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+import stree
+from stree.models import tiny_model
+from stree.sampling import Sampler, sample_without_replacement
+from stree.verify import verify_sampling
+
+
+def chi_square_critical(df, z=3.719):
+    """Upper quantile of chi-square(df) at the normal quantile z (3.719: alpha = 1e-4), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts, probs):
+    """(statistic, df) of observed counts (dict outcome -> n) against exact probs (dict outcome -> p).
+
+    Outcomes with expected count < 5 are pooled into one cell. An observation of a zero-probability outcome makes
+    the statistic infinite."""
+    n = sum(counts.values())
+    if any(probs.get(k, 0.0) == 0.0 for k in counts):
+        return float("inf"), 1
+    cells, pooled_obs, pooled_exp = [], 0, 0.0
+    for k, p in probs.items():
+        if n * p >= 5:
+            cells.append((counts.get(k, 0), n * p))
+        else:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(k, 0), pooled_exp + n * p
+    if pooled_exp > 0:
+        cells.append((pooled_obs, pooled_exp))
+    return sum((o - e) ** 2 / e for o, e in cells), max(len(cells) - 1, 1)
+
+
+def assert_matches(counts, probs):
+    stat, df = chi_square(counts, probs)
+    assert stat < chi_square_critical(df), f"chi-square {stat:.1f} > {chi_square_critical(df):.1f} (df {df})"
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
+                                                       (0.5, 4, 0.6), (1.0, 1, None), (1.0, None, 0.01)])
+def test_sampler_equals_hf_warpers(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g)
+    logits[:, 7] = logits[:, 3]  # a tie at some rank
+    want = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p is not None:
+        want = TopPLogitsWarper(top_p)(None, want)
+    got = Sampler(temperature, top_k, top_p).scores(logits, 0)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got.softmax(-1), want.double().softmax(-1))
+
+
+def test_min_new_tokens_bans_eos_like_hf():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    eos = [2, 5]
+    sampler = Sampler(min_new_tokens=4, eos_ids=frozenset(eos))
+    generated = torch.tensor([2, 4, 3])
+    got = sampler.scores(logits, generated)
+    for row in range(3):
+        hf = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=0, min_new_tokens=4, eos_token_id=eos)
+        want = hf(torch.zeros(1, int(generated[row]), dtype=torch.long), logits[row:row + 1].clone())[0]
+        torch.testing.assert_close(got[row], want.double())
+
+
+def test_sampling_without_replacement_is_sequential():
+    probs = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0], dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    counts = {}
+    for _ in range(20000):
+        pair = tuple(sample_without_replacement(probs, 2, g))
+        counts[pair] = counts.get(pair, 0) + 1
+    exact = {(a, b): float(probs[a] * probs[b] / (1 - probs[a])) for a in range(5) for b in range(5)
+             if a != b and probs[a] > 0 and probs[b] > 0}
+    assert_matches(counts, exact)
+    assert sample_without_replacement(probs, 9, g).__len__() == 4  # only 4 tokens have mass
+
+
+class SyntheticLM:
+    """Next-token distributions indexed by the prefix (a tuple), random but fixed by the seed; `sparsity` zeros
+    some entries (as top-k / top-p do)."""
+
+    def __init__(self, vocab, seed, sparsity=0.0, sharpness=1.5):
+        self.vocab, self.seed, self.sparsity, self.sharpness = vocab, seed, sparsity, sharpness
+        self.table = {}
+
+    def __call__(self, prefix):
+        if prefix not in self.table:
+            g = torch.Generator().manual_seed(hash((self.seed,) + prefix) % 2 ** 31)
+            logits = torch.randn(self.vocab, generator=g, dtype=torch.float64) * self.sharpness
+            drop = torch.rand(self.vocab, generator=g) < self.sparsity
+            drop[logits.argmax()] = False
+            self.table[prefix] = logits.masked_fill(drop, float("-inf")).softmax(-1)
+        return self.table[prefix]
+
+
+def speculative_tokens(target, draft, branching, n_tokens, g, claimed_draft=None):
+    """The first n_tokens of speculative decoding from the empty prefix: draft a static tree by drawing each
+    node's children from the draft without replacement, verify with verify_sampling, repeat."""
+    out = []
+    while len(out) < n_tokens:
+        prefix = tuple(out)
+        tokens, parents, paths, q = [0], [-1], [prefix], {}
+        frontier = [0]
+        for width in branching:
+            next_frontier = []
+            for node in frontier:
+                q[node] = draft(paths[node])
+                for token in sample_without_replacement(q[node], width, g):
+                    tokens.append(token)
+                    parents.append(node)
+                    paths.append(paths[node] + (token,))
+                    next_frontier.append(len(tokens) - 1)
+            frontier = next_frontier
+        p = torch.stack([target(path) for path in paths])
+        shown = q if claimed_draft is None else {n: claimed_draft(paths[n]) for n in q}
+        accepted, bonus = verify_sampling(tokens, parents, p, shown, g)
+        out += [tokens[n] for n in accepted[1:]] + [bonus]
+    return tuple(out[:n_tokens])
+
+
+def exact_sequences(target, n_tokens):
+    probs = {}
+    for seq in itertools.product(range(target.vocab), repeat=n_tokens):
+        prob = 1.0
+        for i in range(n_tokens):
+            prob *= float(target(seq[:i])[seq[i]])
+        probs[seq] = prob
+    return probs
+
+
+@pytest.mark.parametrize("branching, sparsity, seed", [((1, 1, 1), 0.0, 0), ((3, 2), 0.0, 1), ((2, 2, 2), 0.3, 2),
+                                                      ((4,), 0.5, 3)])
+def test_verification_reproduces_target_distribution(branching, sparsity, seed):
+    target, draft = SyntheticLM(4, seed, sparsity), SyntheticLM(4, seed + 100, sparsity)
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(6000):
+        seq = speculative_tokens(target, draft, branching, 2, g)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert_matches(counts, exact_sequences(target, 2))
+
+
+def test_a_wrong_acceptance_rule_is_caught():
+    """Verifying with a proposal other than the one the drafts came from breaks losslessness: the test sees it."""
+    target, draft = SyntheticLM(4, 7), SyntheticLM(4, 107)
+    uniform = lambda prefix: torch.full((4,), 0.25, dtype=torch.float64)  # noqa: E731
+    g = torch.Generator().manual_seed(7)
+    counts = {}
+    for _ in range(6000):
+        seq = speculative_tokens(target, draft, (3, 2), 2, g, claimed_draft=uniform)
+        counts[seq] = counts.get(seq, 0) + 1
+    stat, df = chi_square(counts, exact_sequences(target, 2))
+    assert stat > chi_square_critical(df)
+
+
+def exact_model_distribution(model, prompt, n_tokens, sampler):
+    """Exact probability of every continuation of n_tokens under the target's sampling distribution."""
+    probs = {(): 1.0}
+    for step in range(n_tokens):
+        grown = {}
+        for seq, prob in probs.items():
+            ids = torch.cat([prompt, torch.tensor([seq], dtype=torch.long)], dim=1)
+            with torch.no_grad():
+                dist = sampler.probs(model(ids).logits[0, -1], step)
+            for token in range(dist.shape[0]):
+                if dist[token] > 0:
+                    grown[seq + (token,)] = prob * float(dist[token])
+        probs = grown
+    return probs
+
+
+@pytest.mark.parametrize("family, tree, temperature, top_k, top_p", [
+    ("bamba", (2, 2), 1.0, None, None),
+    ("mamba2", (1, 1, 1), 0.5, 4, 0.9),
+    ("zamba2", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 0.8, None, 0.95),
+])
+def test_generate_samples_the_target_distribution(family, tree, temperature, top_k, top_p):
+    """End to end with HF models: the first 3 tokens of stree.generate follow the target's exact distribution."""
+    vocab = 5
+    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=2)
+    with torch.no_grad():  # sharper next-token distributions than the tiny init gives
+        target.get_output_embeddings().weight.mul_(40.0)
+        draft.get_output_embeddings().weight.mul_(40.0)
+    target.generation_config.eos_token_id = None
+    prompt = torch.tensor([[1, 3, 0]])
+    sampler = Sampler(temperature, top_k, top_p)
+    exact = exact_model_distribution(target, prompt, 3, sampler)
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for _ in range(1000):
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=3, temperature=temperature,
+                             top_k=top_k, top_p=top_p, tree=tree, generator=g)
+        seq = tuple(out[0, 3:].tolist())
+        counts[seq] = counts.get(seq, 0) + 1
+    assert_matches(counts, exact)
