@@ -6,10 +6,10 @@ from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
-           "TreeModel", "StaticTree", "DynamicTree", "BeamTree"]
+           "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable"]
 
 _LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models", "StaticTree": ".draft",
-         "DynamicTree": ".draft", "BeamTree": ".draft"}
+         "DynamicTree": ".draft", "BeamTree": ".draft", "enable": ".dropin", "disable": ".dropin"}
 
 
 def __getattr__(name):

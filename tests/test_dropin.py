@@ -1,0 +1,119 @@
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, TextStreamer
+from transformers.generation.streamers import BaseStreamer
+
+import stree
+from stree.models import tiny_model
+
+
+@pytest.fixture
+def pair():
+    target = tiny_model("bamba", dtype=torch.float64, seed=5)
+    target.generation_config.eos_token_id = None
+    draft = tiny_model("bamba", dtype=torch.float64, seed=5)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return target, draft
+
+
+PROMPT = torch.tensor([[4, 8, 15, 16, 23, 42]])
+
+
+def hf(model, **kwargs):
+    with torch.no_grad():
+        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), **kwargs)
+
+
+def test_drop_in_greedy_equals_hf_and_falls_back_without_draft(pair):
+    target, draft = pair
+    want = hf(target, do_sample=False, max_new_tokens=50)
+    stree.enable(target)
+    assert torch.equal(target.generate(PROMPT, draft_model=draft, max_new_tokens=50), want)
+    assert torch.equal(target.generate(input_ids=PROMPT, draft_model=draft, max_new_tokens=50, tree=(1, 1)), want)
+    assert torch.equal(hf(target, do_sample=False, max_new_tokens=50), want)  # no draft: HF's own path
+    # max_length instead of max_new_tokens, and HF's default of 20 when neither is given
+    assert torch.equal(target.generate(PROMPT, draft_model=draft, max_length=30), want[:, :30])
+    assert torch.equal(target.generate(PROMPT, draft_model=draft), want[:, :20])
+    stree.disable(target)
+    assert "generate" not in vars(target)
+
+
+def test_sampling_with_top_k_1_is_greedy(pair):
+    target, draft = pair
+    want = hf(target, do_sample=False, max_new_tokens=30)
+    stree.enable(target)
+    got = target.generate(PROMPT, draft_model=draft, do_sample=True, top_k=1, temperature=0.7, max_new_tokens=30)
+    assert torch.equal(got, want)
+
+
+def test_eos_lists_and_min_new_tokens(pair):
+    target, draft = pair
+    reference = hf(target, do_sample=False, max_new_tokens=40)[0, 6:].tolist()
+    eos = [reference[3], 63]  # appears early; min_new_tokens pushes the stop later
+    for kwargs in (dict(eos_token_id=eos), dict(eos_token_id=eos, min_new_tokens=12), dict(eos_token_id=eos, min_length=20)):
+        want = hf(target, do_sample=False, max_new_tokens=40, **kwargs)
+        stree.enable(target)
+        assert torch.equal(target.generate(PROMPT, draft_model=draft, max_new_tokens=40, **kwargs), want), kwargs
+        stree.disable(target)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_and_stopping_criteria(pair, capsys):
+    target, draft = pair
+    stree.enable(target)
+    streamer = Collect()
+    out = target.generate(PROMPT, draft_model=draft, max_new_tokens=25, streamer=streamer)
+    assert streamer.chunks[0] == PROMPT[0].tolist() and streamer.ended
+    assert sum(streamer.chunks[1:], []) == out[0, 6:].tolist()
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([input_ids.shape[1] >= 13])
+
+    stree.disable(target)
+    want = hf(target, do_sample=False, max_new_tokens=25, stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    stree.enable(target)
+    got = target.generate(PROMPT, draft_model=draft, max_new_tokens=25,
+                          stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    assert torch.equal(got, want) and got.shape[1] == 13
+
+    vocab = {f"w{i}": i for i in range(64)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")))
+    target.generate(PROMPT, draft_model=draft, max_new_tokens=5, streamer=TextStreamer(tokenizer))
+    printed = capsys.readouterr().out
+    assert printed.split()[:6] == [f"w{i}" for i in PROMPT[0].tolist()] and len(printed.split()) == 11
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(repetition_penalty=1.3), NotImplementedError, "repetition_penalty"),
+    (dict(num_beams=2), NotImplementedError, "num_beams"),
+    (dict(return_dict_in_generate=True), NotImplementedError, "return_dict_in_generate"),
+    (dict(no_repeat_ngram_size=2), NotImplementedError, "no_repeat_ngram_size"),
+    (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]])), ValueError, "all-ones"),
+    (dict(not_an_option=3), TypeError, "not_an_option"),
+])
+def test_unsupported_options_raise(pair, kwargs, error, message):
+    target, draft = pair
+    stree.enable(target)
+    with pytest.raises(error, match=message):
+        target.generate(PROMPT, draft_model=draft, max_new_tokens=5, **kwargs)
+
+
+def test_enable_refuses_unsupported_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(ValueError, match="supported"):
+        stree.enable(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
