@@ -8,6 +8,10 @@ benchmarks/results/.
     python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
     python benchmarks/generate.py --target PATH --draft PATH       # any local HF checkpoints
     python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers
+
+Temperatures 0 and 1 by default (--temperatures); beam trees run at temperature 0 only (they are not lossless when
+sampling). A PNG of speedup and tau against tree size is written when matplotlib is installed (pip install
+-e ".[bench]").
 """
 import argparse
 import json
@@ -24,7 +28,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 import stree  # noqa: E402
-from stree import TokenTree  # noqa: E402
+from stree import BeamTree, DynamicTree, StaticTree, TokenTree  # noqa: E402
 from stree.models import TreeModel, tiny_model  # noqa: E402
 
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
@@ -37,7 +41,17 @@ PRESETS = {
     "mamba2-2.7b-4layers": ("mamba2", dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=4, num_heads=80,
                                            head_dim=64, state_size=128, n_groups=1)),
 }
-TREES = {"chain-4": (1, 1, 1, 1), "tree-2211": (2, 2, 1, 1), "tree-3221": (3, 2, 2, 1), "tree-4321": (4, 3, 2, 1)}
+TREES = {
+    "chain-4": StaticTree((1, 1, 1, 1)),
+    "static-2211": StaticTree((2, 2, 1, 1)),
+    "static-3221": StaticTree((3, 2, 2, 1)),
+    "static-4321": StaticTree((4, 3, 2, 1)),
+    "dynamic-8": DynamicTree(budget=8, depth=5, top_k=2, frontier=2),
+    "dynamic-16": DynamicTree(budget=16, depth=6, top_k=3, frontier=3),
+    "dynamic-32": DynamicTree(budget=32, depth=7, top_k=4, frontier=4),
+    "beam-2x4": BeamTree(beams=2, steps=4),
+    "beam-4x4": BeamTree(beams=4, steps=4),
+}
 
 
 def load(name, dtype, device):
@@ -86,11 +100,75 @@ def tree_overhead(model, device, prompt_len=64, reps=20):
     return dict(tree16_ms=tree_ms, decode_step_ms=step_ms, ratio=tree_ms / step_ms)
 
 
+def run_methods(target, draft, prompts, args, temperature, device):
+    """One row per method at one temperature: tokens/s, tau, mean tree size, speedup over autoregressive."""
+    n_tokens = len(prompts) * args.max_new_tokens
+    sampling = dict(do_sample=True, temperature=temperature, top_k=None) if temperature > 0 else dict(do_sample=False)
+    reference, ar_time = [], 0.0
+    with torch.no_grad():
+        for prompt in prompts:
+            out, t = timed(lambda: target.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                   max_new_tokens=args.max_new_tokens, **sampling), device)
+            reference.append(out)
+            ar_time += t
+    ar_speed = n_tokens / ar_time
+    rows = [dict(temperature=temperature, method="autoregressive", mean_nodes=1.0, tokens_per_s=ar_speed, tau=1.0,
+                 speedup=1.0, exact=True)]
+    for name in args.trees:
+        spec = TREES[name]
+        if temperature > 0 and isinstance(spec, BeamTree):
+            continue
+        total, passes, sizes, exact = 0.0, [], [], True
+        for prompt, want in zip(prompts, reference):
+            (out, stats), t = timed(lambda: stree.generate(
+                target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens, temperature=temperature,
+                tree=spec, return_stats=True), device)
+            total += t
+            passes += stats.tokens_per_pass
+            sizes += stats.tree_sizes
+            exact &= torch.equal(out, want)
+        rows.append(dict(temperature=temperature, method=name, mean_nodes=sum(sizes) / len(sizes),
+                         tokens_per_s=n_tokens / total, tau=sum(passes) / len(passes),
+                         speedup=n_tokens / total / ar_speed, exact=exact if temperature == 0 else "n/a"))
+    return rows
+
+
+def plot(rows, args):
+    """Speedup and tau against mean tree size, one marker per method, one colour per temperature."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for temperature in sorted({r["temperature"] for r in rows}):
+        mine = [r for r in rows if r["temperature"] == temperature]
+        for ax, key in zip(axes, ("speedup", "tau")):
+            ax.scatter([r["mean_nodes"] for r in mine], [r[key] for r in mine], label=f"T={temperature}")
+            for r in mine:
+                ax.annotate(r["method"], (r["mean_nodes"], r[key]), fontsize=7)
+    for ax, key in zip(axes, ("speedup over autoregressive", "tau (tokens per target pass)")):
+        ax.set_xlabel("nodes per verified tree")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"target {args.target}, draft {args.draft}")
+    fig.tight_layout()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        f"generate-{args.target.replace('/', '_')}.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="bamba-small", help=f"a local checkpoint or one of {list(PRESETS)}")
     parser.add_argument("--draft", default="mamba2-draft", help="a local checkpoint or a preset name")
     parser.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -121,38 +199,16 @@ def main():
         target.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
         prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
                    for _ in range(args.prompts)]
-        rows = {}
-
-        def autoregressive(prompt):
-            return target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                   max_new_tokens=args.max_new_tokens)
-        reference, ar_time = [], 0.0
-        with torch.no_grad():
-            for prompt in prompts:
-                out, t = timed(lambda: autoregressive(prompt), device)
-                reference.append(out)
-                ar_time += t
-        n_tokens = args.prompts * args.max_new_tokens
-        rows["autoregressive"] = dict(tokens_per_s=n_tokens / ar_time, tau=1.0, exact=True, tree=None)
-        for tree_name in args.trees:
-            total, passes, exact = 0.0, [], True
-            for prompt, want in zip(prompts, reference):
-                (out, stats), t = timed(lambda: stree.generate(
-                    target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens, tree=TREES[tree_name],
-                    return_stats=True), device)
-                total += t
-                passes += stats.tokens_per_pass
-                exact &= torch.equal(out, want)
-            rows[tree_name] = dict(tokens_per_s=n_tokens / total, tau=sum(passes) / len(passes), exact=exact,
-                                   tree=TREES[tree_name])
-        ar_speed = rows["autoregressive"]["tokens_per_s"]
-        print(f"{'method':>15} {'tree':>14} {'tok/s':>9} {'tau':>6} {'speedup':>8} {'exact':>6}")
-        for method, row in rows.items():
-            row["speedup"] = row["tokens_per_s"] / ar_speed
-            print(f"{method:>15} {str(row['tree'] or '-'):>14} {row['tokens_per_s']:>9.1f} {row['tau']:>6.2f} "
-                  f"{row['speedup']:>8.2f} {str(row['exact']):>6}")
+        rows = []
+        for temperature in args.temperatures:
+            rows += run_methods(target, draft, prompts, args, temperature, device)
+        print(f"{'T':>4} {'method':>12} {'nodes':>6} {'tok/s':>9} {'tau':>6} {'speedup':>8} {'exact':>6}")
+        for row in rows:
+            print(f"{row['temperature']:>4} {row['method']:>12} {row['mean_nodes']:>6.1f} {row['tokens_per_s']:>9.1f} "
+                  f"{row['tau']:>6.2f} {row['speedup']:>8.2f} {str(row['exact']):>6}")
+        plot(rows, args)
         result.update(draft=args.draft, draft_params=n_draft, prompts=args.prompts, prompt_len=args.prompt_len,
-                      max_new_tokens=args.max_new_tokens, methods=rows)
+                      max_new_tokens=args.max_new_tokens, rows=rows)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"generate-{args.target.replace('/', '_')}-{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
