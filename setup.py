@@ -5,4 +5,5 @@ from setuptools import setup
 setup(
     packages=["stree", "stree.triton_kernels", "stree.distill"],
     package_dir={"stree": "stree", "stree.triton_kernels": "triton_kernels", "stree.distill": "distill"},
+    package_data={"stree": ["assets/demo/*/*.json", "assets/demo/*/*.safetensors", "assets/demo/*.json"]},
 )

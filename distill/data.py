@@ -20,6 +20,18 @@ def python_stdlib_files():
     return sorted(f for f in files if not any(s in f for s in skip))
 
 
+def stdlib_split(every=20):
+    """(training files, held-out files) of python_stdlib_files(): every `every`-th file is held out."""
+    files = python_stdlib_files()
+    return [f for i, f in enumerate(files) if i % every], [f for i, f in enumerate(files) if i % every == 0]
+
+
+def random_windows(tokens, count, length, generator=None):
+    """(count, length) int64: windows of a 1-D token stream at random offsets."""
+    starts = torch.randint(0, tokens.numel() - length, (count,), generator=generator)
+    return torch.stack([tokens[s:s + length] for s in starts.tolist()])
+
+
 def text_files(paths, suffixes=(".txt", ".py", ".md")):
     """Files named in paths, and files with one of `suffixes` under the folders named there, sorted."""
     found = []

@@ -145,7 +145,7 @@ class Trainer:
             record = dict(step=self.step, lr=self.scheduler.get_last_lr()[0], tokens_per_s=rate, **parts_sum)
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 record["tau"] = self.evaluate()
-            if cfg.log_every and (self.step % cfg.log_every == 0 or "tau" in record):
+            if cfg.log_every and (self.step % cfg.log_every == 0 or "tau" in record or self.step == cfg.steps):
                 self.history.append(record)
             if cfg.save_every and self.step % cfg.save_every == 0:
                 self.save(os.path.join(cfg.output_dir, f"checkpoint-{self.step}"))

@@ -1,0 +1,204 @@
+"""The `stree` command: generate, bench, distill. Without --target/--draft the bundled demo pair is used.
+
+    stree generate --prompt "def fibonacci(n):"       # stream text, then tau and tokens/s
+    stree bench                                        # autoregressive vs chain vs tree on held-out prompts
+    stree distill --target PATH --student-config student.json --data FILES_OR_DIRS --output DIR
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def _tree(text):
+    """--tree: "3,2,2,1" (static), "dynamic[:budget]" or "beam[:beams:steps]"."""
+    from .draft import BeamTree, DynamicTree, StaticTree
+    kind, _, rest = text.partition(":")
+    numbers = [int(x) for x in rest.replace(":", ",").split(",") if x] if rest else []
+    if kind == "dynamic":
+        return DynamicTree(*numbers)
+    if kind == "beam":
+        return BeamTree(*numbers)
+    try:
+        return StaticTree(tuple(int(x) for x in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree must look like 3,2,2,1 or dynamic:24 or beam:4:4, got {text!r}")
+
+
+def _load_pair(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .demo import demo_pair
+    if args.target is None and args.draft is None:
+        return demo_pair()
+    if args.target is None or args.draft is None:
+        sys.exit("give both --target and --draft, or neither (the bundled demo pair)")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    return target, draft, tokenizer
+
+
+def cmd_generate(args):
+    from transformers import TextStreamer
+
+    from .decoding import generate
+    target, draft, tokenizer = _load_pair(args)
+    input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    _, stats = generate(target, input_ids, draft_model=draft, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tree=args.tree,
+                        streamer=TextStreamer(tokenizer), generator=generator, return_stats=True)
+    elapsed = time.perf_counter() - start
+    print(f"\n[{stats.new_tokens} tokens in {elapsed:.2f} s: {stats.new_tokens / elapsed:.1f} tokens/s, "
+          f"tau {stats.tau:.2f} tokens per target pass, {stats.target_passes} target passes]", file=sys.stderr)
+
+
+def cmd_bench(args):
+    from .decoding import generate
+    from .demo import held_out_prompts
+    target, draft, tokenizer = _load_pair(args)
+    target.generation_config.eos_token_id = None  # equal lengths for every method
+    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
+    n_tokens = args.prompts * args.max_new_tokens
+
+    def run(method):
+        elapsed, passes, outputs = 0.0, [], []
+        for prompt in prompts:
+            start = time.perf_counter()
+            if method is None:
+                with torch.no_grad():
+                    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                          max_new_tokens=args.max_new_tokens)
+            else:
+                out, stats = generate(target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens,
+                                      tree=method, return_stats=True)
+                passes += stats.tokens_per_pass
+            elapsed += time.perf_counter() - start
+            outputs.append(out)
+        return n_tokens / elapsed, (sum(passes) / len(passes) if passes else 1.0), outputs
+
+    n_target = sum(p.numel() for p in target.parameters()) / 1e6
+    n_draft = sum(p.numel() for p in draft.parameters()) / 1e6
+    print(f"target {n_target:.1f}M params, draft {n_draft:.1f}M params, torch threads {torch.get_num_threads()}; "
+          f"{args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy")
+    run(_tree("1"))  # warm-up
+    ar_speed, _, reference = run(None)
+    rows = [("autoregressive", "-", ar_speed, 1.0, True)]
+    for name, tree in (("speculative (chain)", args.chain), ("tree", args.tree)):
+        speed, tau, outputs = run(tree)
+        rows.append((name, str(tree), speed, tau, all(torch.equal(a, b) for a, b in zip(outputs, reference))))
+    print(f"{'method':>20} {'tree':>36} {'tokens/s':>9} {'tau':>6} {'speedup':>8} {'same output':>12}")
+    for name, tree, speed, tau, same in rows:
+        print(f"{name:>20} {tree:>36} {speed:>9.1f} {tau:>6.2f} {speed / ar_speed:>8.2f} {str(same):>12}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(method=n, tree=t, tokens_per_s=s, tau=tau, speedup=s / ar_speed, same_output=same)
+                       for n, t, s, tau, same in rows], f, indent=1)
+
+
+def cmd_distill(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from torch.utils.data import ConcatDataset
+
+    from .distill import (TokenChunks, TrainConfig, Trainer, load_tokens, random_windows, student_from_config,
+                          target_continuations, text_files, tokenize_files)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun / accelerate
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    if args.student_config.lstrip().startswith("{"):
+        student_config = json.loads(args.student_config)
+    else:
+        with open(args.student_config) as f:
+            student_config = json.load(f)
+    student = student_from_config(target, student_config, share_embeddings=args.share_embeddings)
+    token_files = [p for p in args.data if p.endswith((".pt", ".npy"))]
+    texts = text_files([p for p in args.data if p not in token_files])
+    streams = [load_tokens(p) for p in token_files]
+    if texts:
+        streams.append(tokenize_files(texts, AutoTokenizer.from_pretrained(args.tokenizer or args.target)))
+    tokens = torch.cat(streams)
+    datasets = [TokenChunks(tokens, args.seq_len)]
+    if args.continuations:
+        prompts = random_windows(tokens, args.continuations, args.seq_len // 3, torch.Generator().manual_seed(0))
+        datasets.append(target_continuations(target, prompts, args.seq_len + 1 - args.seq_len // 3,
+                                             temperature=args.continuation_temperature))
+    losses = {name: float(weight) for name, weight in (part.split("=") for part in args.loss.split(","))}
+    config = TrainConfig(output_dir=args.output, steps=args.steps, batch_size=args.batch_size,
+                         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, losses=losses,
+                         temperature=args.temperature, teacher_top_k=args.teacher_top_k, eval_every=args.eval_every,
+                         save_every=args.save_every)
+    eval_prompts = random_windows(tokens, 4, 32, torch.Generator().manual_seed(1)) if args.eval_every else None
+    trainer = Trainer(student, config, ConcatDataset(datasets), teacher=target, eval_prompts=eval_prompts)
+    if args.resume:
+        trainer.resume(args.resume)
+    history = trainer.train()
+    print(json.dumps(history[-1] if history else {}, indent=1))
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="stree", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def pair_options(p):
+        p.add_argument("--target", help="HF checkpoint folder (default: the bundled demo pair)")
+        p.add_argument("--draft", help="HF checkpoint folder of the draft")
+        p.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
+        p.add_argument("--tree", type=_tree, default=_tree("3,2,2,1"), help="3,2,2,1 | dynamic:24 | beam:4:4")
+
+    gen = commands.add_parser("generate", help="speculative tree decoding of one prompt, streamed")
+    pair_options(gen)
+    gen.add_argument("--prompt", default="def ")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=cmd_generate)
+
+    bench = commands.add_parser("bench", help="autoregressive vs speculative chain vs tree decoding")
+    pair_options(bench)
+    bench.add_argument("--chain", type=_tree, default=_tree("1,1,1,1"))
+    bench.add_argument("--prompts", type=int, default=4)
+    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--json", help="also write the table as JSON here")
+    bench.set_defaults(run=cmd_bench)
+
+    dist = commands.add_parser("distill", help="train a draft for a target")
+    dist.add_argument("--target", required=True)
+    dist.add_argument("--student-config", required=True, help='JSON file or literal, e.g. {"model_type": "mamba2", ...}')
+    dist.add_argument("--data", nargs="+", required=True, help="text files/folders, or .pt/.npy token files")
+    dist.add_argument("--tokenizer")
+    dist.add_argument("--output", required=True)
+    dist.add_argument("--share-embeddings", action="store_true")
+    dist.add_argument("--continuations", type=int, default=0, help="add N target continuations of corpus prompts")
+    dist.add_argument("--continuation-temperature", type=float, default=0.7)
+    dist.add_argument("--loss", default="forward_kl=1", help="e.g. forward_kl=0.9,cross_entropy=0.1")
+    dist.add_argument("--temperature", type=float, default=1.0)
+    dist.add_argument("--teacher-top-k", type=int, default=0)
+    dist.add_argument("--steps", type=int, default=1000)
+    dist.add_argument("--batch-size", type=int, default=8)
+    dist.add_argument("--grad-accum", type=int, default=1)
+    dist.add_argument("--seq-len", type=int, default=128)
+    dist.add_argument("--lr", type=float, default=1e-3)
+    dist.add_argument("--warmup", type=int, default=50)
+    dist.add_argument("--eval-every", type=int, default=0)
+    dist.add_argument("--save-every", type=int, default=0)
+    dist.add_argument("--resume", help="checkpoint folder to continue from")
+    dist.set_defaults(run=cmd_distill)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
