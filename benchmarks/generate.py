@@ -6,6 +6,7 @@ against its own single-token decode step (STree's tree-overhead figure). Table o
 benchmarks/results/.
 
     python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
+    python benchmarks/generate.py --target demo-target --draft demo-draft   # the bundled trained pair
     python benchmarks/generate.py --target PATH --draft PATH       # any local HF checkpoints
     python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers
 
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 import stree  # noqa: E402
 from stree import BeamTree, DynamicTree, StaticTree, TokenTree  # noqa: E402
+from stree.demo import demo_pair, held_out_prompts  # noqa: E402
 from stree.models import TreeModel, tiny_model  # noqa: E402
 
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
@@ -55,6 +57,8 @@ TREES = {
 
 
 def load(name, dtype, device):
+    if name in ("demo-target", "demo-draft"):  # the bundled trained pair
+        return demo_pair(dtype=dtype, device=device)[0 if name == "demo-target" else 1]
     if name in PRESETS:
         family, overrides = PRESETS[name]
         return tiny_model(family, dtype=dtype, **overrides).to(device)
@@ -165,8 +169,9 @@ def plot(rows, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="bamba-small", help=f"a local checkpoint or one of {list(PRESETS)}")
-    parser.add_argument("--draft", default="mamba2-draft", help="a local checkpoint or a preset name")
+    parser.add_argument("--target", default="bamba-small",
+                        help=f"a local checkpoint, demo-target, or one of {list(PRESETS)}")
+    parser.add_argument("--draft", default="mamba2-draft", help="a local checkpoint, demo-draft, or a preset name")
     parser.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=3)
@@ -195,10 +200,15 @@ def main():
         draft = load(args.draft, dtype, device)
         n_draft = sum(p.numel() for p in draft.parameters())
         print(f"draft: {args.draft} ({draft.config.model_type}, {n_draft / 1e6:.1f}M params)")
-        print(f"prompts: {args.prompts} x {args.prompt_len} random tokens, {args.max_new_tokens} new tokens each\n")
         target.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
-        prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
-                   for _ in range(args.prompts)]
+        if args.target == "demo-target":
+            source = "held-out standard-library code"
+            prompts = [p.to(device) for p in held_out_prompts(demo_pair()[2], args.prompts, args.prompt_len)]
+        else:
+            source = "random tokens"
+            prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
+                       for _ in range(args.prompts)]
+        print(f"prompts: {args.prompts} x {args.prompt_len} tokens of {source}, {args.max_new_tokens} new tokens each\n")
         rows = []
         for temperature in args.temperatures:
             rows += run_methods(target, draft, prompts, args, temperature, device)

@@ -149,7 +149,7 @@ def build_parser():
         p.add_argument("--target", help="HF checkpoint folder (default: the bundled demo pair)")
         p.add_argument("--draft", help="HF checkpoint folder of the draft")
         p.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
-        p.add_argument("--tree", type=_tree, default=_tree("3,2,2,1"), help="3,2,2,1 | dynamic:24 | beam:4:4")
+        p.add_argument("--tree", type=_tree, default=_tree("dynamic"), help="dynamic[:budget] (default) | 3,2,2,1 | beam:4:4")
 
     gen = commands.add_parser("generate", help="speculative tree decoding of one prompt, streamed")
     pair_options(gen)

@@ -29,10 +29,10 @@ class StaticTree:
 class DynamicTree:
     """budget: draft nodes per tree (root excluded); depth: levels; top_k: children per expanded node;
     frontier: nodes expanded per level, the most probable paths first."""
-    budget: int = 24
+    budget: int = 16
     depth: int = 6
-    top_k: int = 4
-    frontier: int = 4
+    top_k: int = 3
+    frontier: int = 3
 
     def __post_init__(self):
         _check_positive(self, ("budget", "depth", "top_k", "frontier"))
