@@ -3,7 +3,7 @@ stree.distill (DESIGN.md §4: nothing is installed outside `stree`)."""
 from setuptools import setup
 
 setup(
-    packages=["stree", "stree.triton_kernels", "stree.distill"],
+    packages=["stree", "stree.models", "stree.search", "stree.triton_kernels", "stree.distill"],
     package_dir={"stree": "stree", "stree.triton_kernels": "triton_kernels", "stree.distill": "distill"},
     package_data={"stree": ["assets/demo/*/*.json", "assets/demo/*/*.safetensors", "assets/demo/*.json"]},
 )
