@@ -1,4 +1,6 @@
-"""Test-time tree search (in progress): allocation rules shared by the strategies."""
+"""Test-time tree search (in progress): allocation rules, answer aggregation and diversity clusters."""
 from .allocation import ets_select, rebase_allocation
+from .answers import aggregate_step_scores, weighted_majority_vote
+from .clusters import cluster_embeddings
 
-__all__ = ["rebase_allocation", "ets_select"]
+__all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings"]

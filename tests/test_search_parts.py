@@ -82,3 +82,29 @@ def test_ets_select_extremes():
     assert all(c > 0 for c in counts)  # coverage dominates: one leaf of every cluster
     with pytest.raises(ValueError):
         ets_select([], [], [], 4, lambda_b=1.0, lambda_d=1.0, temperature=1.0)
+
+
+def test_step_score_aggregation_and_voting():
+    from stree.search import aggregate_step_scores, weighted_majority_vote
+    steps = [0.9, 0.5, 0.8]
+    assert aggregate_step_scores(steps, "last") == 0.8
+    assert aggregate_step_scores(steps, "min") == 0.5
+    assert aggregate_step_scores(steps, "prod") == pytest.approx(0.36)
+    with pytest.raises(ValueError):
+        aggregate_step_scores(steps, "mean")
+    # "7" has more trajectories but "12" more weight; None abstains
+    assert weighted_majority_vote(["7", "7", "12", None], [0.2, 0.3, 0.9, 5.0]) == "12"
+    assert weighted_majority_vote(["7", "7", "12"], [0.5, 0.5, 0.9]) == "7"
+    assert weighted_majority_vote([None], [1.0]) is None
+
+
+def test_cosine_clusters():
+    from stree.search import cluster_embeddings
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    points = torch.stack([a, a * 2 + 0.01 * torch.randn(8, generator=g), b, b + 0.01 * torch.randn(8, generator=g),
+                          -a])
+    labels = cluster_embeddings(points.numpy(), distance_threshold=0.1)
+    assert labels[0] == labels[1] and labels[2] == labels[3] and len(set(labels)) == 3 and labels[0] == 0
+    assert cluster_embeddings(points.numpy(), distance_threshold=2.0) == [0] * 5  # one cluster at the top
+    assert cluster_embeddings(points[:1].numpy()) == [0]
