@@ -1,7 +1,6 @@
 """Lossless sampling: processed distributions equal HF's, draws are distributed as claimed, and speculative
 verification reproduces the target's distribution (chi-square tests on seeded samples, able to fail)."""
 import itertools
-import math
 
 import pytest
 import torch
@@ -12,35 +11,7 @@ import stree
 from stree.models import tiny_model
 from stree.sampling import Sampler, sample_without_replacement
 from stree.verify import verify_sampling
-
-
-def chi_square_critical(df, z=3.719):
-    """Upper quantile of chi-square(df) at the normal quantile z (3.719: alpha = 1e-4), Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi_square(counts, probs):
-    """(statistic, df) of observed counts (dict outcome -> n) against exact probs (dict outcome -> p).
-
-    Outcomes with expected count < 5 are pooled into one cell. An observation of a zero-probability outcome makes
-    the statistic infinite."""
-    n = sum(counts.values())
-    if any(probs.get(k, 0.0) == 0.0 for k in counts):
-        return float("inf"), 1
-    cells, pooled_obs, pooled_exp = [], 0, 0.0
-    for k, p in probs.items():
-        if n * p >= 5:
-            cells.append((counts.get(k, 0), n * p))
-        else:
-            pooled_obs, pooled_exp = pooled_obs + counts.get(k, 0), pooled_exp + n * p
-    if pooled_exp > 0:
-        cells.append((pooled_obs, pooled_exp))
-    return sum((o - e) ** 2 / e for o, e in cells), max(len(cells) - 1, 1)
-
-
-def assert_matches(counts, probs):
-    stat, df = chi_square(counts, probs)
-    assert stat < chi_square_critical(df), f"chi-square {stat:.1f} > {chi_square_critical(df):.1f} (df {df})"
+from stats import assert_matches, chi_square, chi_square_critical
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),

@@ -1,6 +1,9 @@
-"""Test-time tree search (in progress): allocation rules, answer aggregation and diversity clusters."""
+"""Test-time tree search (in progress): step generation on forked states, allocation rules, answer aggregation
+and diversity clusters."""
 from .allocation import ets_select, rebase_allocation
 from .answers import aggregate_step_scores, weighted_majority_vote
 from .clusters import cluster_embeddings
+from .policy import Policy, PolicyState, Step
 
-__all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings"]
+__all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",
+           "Policy", "PolicyState", "Step"]
