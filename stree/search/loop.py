@@ -1,0 +1,164 @@
+"""One search loop for every strategy: expand the chosen trajectories by one step, score the new steps, choose.
+
+    result = tree_search(model, prompt_ids, verifier, SearchConfig(strategy="rebase", width=16))
+
+The verifier is any callable (prompt_tokens, steps) -> float scoring the latest step of a trajectory (steps: its
+list of step token lists); a PRM is wrapped into one. Strategies, dispatched from STRATEGIES, decide how many
+continuations each live trajectory gets next; the width shrinks as trajectories finish.
+"""
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .allocation import ets_select, rebase_allocation
+from .answers import aggregate_step_scores, weighted_majority_vote
+from .clusters import cluster_embeddings
+from .policy import Policy
+
+
+@dataclass
+class SearchConfig:
+    strategy: str = "rebase"          # best_of_n | beam | dvts | rebase | ets
+    width: int = 16                   # N: continuations per step
+    beam_width: int = 0               # beam / DVTS: trajectories (subtrees) kept; 0 = round(sqrt(N))
+    max_steps: int = 8
+    temperature: float = 1.0
+    top_p: float = None
+    step_delimiter_ids: tuple = ()
+    step_max_tokens: int = 64
+    eos_token_ids: tuple = ()
+    rebase_temperature: float = 0.2
+    lambda_b: float = 1.0             # ETS: weight of the retained-node term
+    lambda_d: float = 1.0             # ETS: weight of the cluster-coverage term
+    cluster_threshold: float = 0.3    # ETS: cosine distance cut of the step-embedding clusters
+    aggregation: str = "last"         # trajectory score from step scores: last | min | prod
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
+        if self.width < 1 or self.max_steps < 1:
+            raise ValueError("width and max_steps must be >= 1")
+
+    @property
+    def kept(self):
+        return self.beam_width or max(1, round(math.sqrt(self.width)))
+
+
+@dataclass(eq=False)
+class Trajectory:
+    node: int                         # id in the search tree (the prompt is node 0)
+    parent: "Trajectory"
+    steps: list                       # token lists, one per step
+    step_scores: list
+    state: object                     # PolicyState after the last step
+    finished: bool = False
+    group: int = 0                    # DVTS subtree
+
+    @property
+    def tokens(self):
+        return [t for step in self.steps for t in step]
+
+    def ancestors(self):
+        """Search-tree node ids above this trajectory's node, nearest last."""
+        ids, at = [], self.parent
+        while at is not None:
+            ids.append(at.node)
+            at = at.parent
+        return ids[::-1]
+
+
+@dataclass
+class SearchResult:
+    answer: object
+    trajectories: list                # the finished ones, or the live ones when none finished
+    scores: list                      # their aggregated scores
+    stats: dict = field(default_factory=dict)
+
+
+def _shares(total, parts):
+    """total split into `parts` near-equal ints, larger first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _best(trajectories, config, k):
+    return sorted(trajectories, key=lambda t: -aggregate_step_scores(t.step_scores, config.aggregation))[:k]
+
+
+def best_of_n(live, width, config):
+    return [(t, 1) for t in live]
+
+
+def beam(live, width, config):
+    kept = _best(live, config, config.kept)
+    return list(zip(kept, _shares(width, len(kept))))
+
+
+def dvts(live, width, config):
+    """Diverse verifier tree search: the first step's children are dealt into `kept` subtrees; each subtree
+    continues only its best trajectory, with an equal share of the width."""
+    groups = sorted({t.group for t in live})
+    shares = _shares(width, len(groups))
+    return [(_best([t for t in live if t.group == g], config, 1)[0], n) for g, n in zip(groups, shares)]
+
+
+def rebase(live, width, config):
+    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
+    return list(zip(live, rebase_allocation(scores, width, config.rebase_temperature)))
+
+
+def ets(live, width, config):
+    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
+    clusters = cluster_embeddings(torch.stack([t.state.hidden.float().cpu() for t in live]).numpy(),
+                                  config.cluster_threshold)
+    counts = ets_select([t.ancestors() for t in live], scores, clusters, width, lambda_b=config.lambda_b,
+                        lambda_d=config.lambda_d, temperature=config.rebase_temperature)
+    return list(zip(live, counts))
+
+
+STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
+
+
+def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
+    """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
+    (default: its last 8 tokens as a tuple). Returns a SearchResult; stats count the tokens of the distinct steps
+    drawn (siblings that drew the same step count once), verifier calls, steps and wall time."""
+    policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
+                    step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
+                    eos_token_ids=config.eos_token_ids)
+    answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
+    prompt = torch.as_tensor(prompt_ids).flatten().tolist()
+    generator = torch.Generator().manual_seed(config.seed)
+    start = time.perf_counter()
+    root = Trajectory(node=0, parent=None, steps=[], step_scores=[], state=policy.prefill(prompt))
+    expansions = [(root, config.width)]
+    finished, live, next_node, stats = [], [], 1, dict(step_tokens=0, verifier_calls=0, steps=0)
+    for step in range(config.max_steps):
+        children = []
+        for parent, count in expansions:
+            if count <= 0:
+                continue
+            for drawn in policy.sample_steps(parent.state, count, generator):
+                for _ in range(drawn.count):
+                    steps = parent.steps + [drawn.tokens]
+                    group = len(children) % config.kept if step == 0 else parent.group
+                    child = Trajectory(next_node, parent, steps, parent.step_scores + [verifier(prompt, steps)],
+                                       drawn.state, drawn.finished, group)
+                    next_node += 1
+                    children.append(child)
+                    stats["verifier_calls"] += 1
+                stats["step_tokens"] += len(drawn.tokens)
+        stats["steps"] = step + 1
+        finished += [c for c in children if c.finished]
+        live = [c for c in children if not c.finished]
+        width = config.width - len(finished)
+        if not live or width <= 0:
+            break
+        expansions = STRATEGIES[config.strategy](live, width, config)
+    final = finished or live
+    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in final]
+    answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
+    stats["wall_time"] = time.perf_counter() - start
+    return SearchResult(answer, final, scores, stats)

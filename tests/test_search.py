@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from stree.models import tiny_model
+from stree.search import STRATEGIES, SearchConfig, tree_search
+
+
+def even_share(prompt, steps):
+    """A scripted verifier: the share of even tokens in the latest step."""
+    return sum(t % 2 == 0 for t in steps[-1]) / len(steps[-1])
+
+
+def depth_nodes(trajectories, depth):
+    """Search-tree nodes at `depth` (1 = first step) on the paths of the given trajectories."""
+    found = set()
+    for t in trajectories:
+        path = t.ancestors() + [t.node]
+        if len(path) > depth:
+            found.add(path[depth])
+    return found
+
+
+@pytest.fixture(scope="module")
+def policy_model():
+    return tiny_model("bamba", dtype=torch.float64, vocab_size=16, seed=3)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_strategy_runs_end_to_end(policy_model, strategy):
+    calls = []
+
+    def verifier(prompt, steps):
+        calls.append(len(steps))
+        return even_share(prompt, steps)
+
+    config = SearchConfig(strategy=strategy, width=9, max_steps=3, step_max_tokens=3, seed=1)
+    result = tree_search(policy_model, [1, 2, 3], verifier, config, answer_fn=lambda tokens: tokens[-1] % 3)
+    assert result.answer in (0, 1, 2)
+    assert len(result.trajectories) == 9 and all(len(t.steps) == 3 for t in result.trajectories)
+    assert [calls.count(d) for d in (1, 2, 3)] == [9, 9, 9]  # nothing finishes, so every step spends the width
+    assert result.stats["steps"] == 3 and result.stats["verifier_calls"] == 27
+    if strategy == "beam":
+        assert all(len(depth_nodes(result.trajectories, d)) <= 3 for d in (1, 2))
+    if strategy == "dvts":
+        for group in range(3):
+            members = [t for t in result.trajectories if t.group == group]
+            assert len(depth_nodes(members, 1)) == 1 and len(depth_nodes(members, 2)) == 1
+    if strategy == "best_of_n":
+        assert len(depth_nodes(result.trajectories, 1)) == 9  # nine independent chains
+
+
+def test_ets_node_cost_prunes_more_than_rebase(policy_model):
+    def kept_parents(strategy, lambda_b):
+        config = SearchConfig(strategy=strategy, width=12, max_steps=3, step_max_tokens=2, lambda_b=lambda_b,
+                              lambda_d=0.0, seed=2)
+        result = tree_search(policy_model, [5, 6], even_share, config)
+        return len(depth_nodes(result.trajectories, 2))
+    assert kept_parents("ets", 6.0) < kept_parents("rebase", 0.0)
+
+
+def test_width_shrinks_as_trajectories_finish(policy_model):
+    config = SearchConfig(strategy="rebase", width=8, max_steps=6, step_max_tokens=3, eos_token_ids=(0, 1, 2, 3),
+                          seed=3)
+    result = tree_search(policy_model, [4, 5], even_share, config)
+    assert all(t.finished for t in result.trajectories) and len(result.trajectories) <= 8
+    assert result.stats["verifier_calls"] <= 8 * result.stats["steps"]
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="strategy"):
+        SearchConfig(strategy="mcts")
+    with pytest.raises(ValueError):
+        SearchConfig(width=0)
