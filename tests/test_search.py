@@ -71,3 +71,32 @@ def test_bad_config():
         SearchConfig(strategy="mcts")
     with pytest.raises(ValueError):
         SearchConfig(width=0)
+
+
+def test_tree_memory_counts_kv_per_token_and_one_ssm_snapshot_per_leaf(policy_model):
+    from stree.search.loop import Trajectory, TreeMemory
+    from stree.search.policy import Policy
+    config = policy_model.config
+    root_state = Policy(policy_model).prefill([1, 2, 3, 4])
+    memory = TreeMemory(root_state)
+    head_dim = config.hidden_size // config.num_attention_heads
+    attention_layers = len(config.attn_layer_indices)
+    assert memory.kv_per_token == 2 * attention_layers * config.num_key_value_heads * head_dim * 8
+    mamba_layers = config.num_hidden_layers - attention_layers
+    conv_dim = config.mamba_n_heads * config.mamba_d_head + 2 * config.mamba_n_groups * config.mamba_d_state
+    per_layer = (config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state * 4  # fp32 recurrent state
+                 + conv_dim * config.mamba_d_conv * 8)
+    assert memory.ssm_bytes == mamba_layers * per_layer
+    root = Trajectory(0, None, [], [], root_state)
+    a = Trajectory(1, root, [[5, 6]], [0.5], root_state)
+    b, c = Trajectory(2, a, [[5, 6], [7]], [0.5, 0.1], root_state), Trajectory(3, a, [[5, 6], [8, 9, 1]], [0.5, 0.2], root_state)
+    kv = memory.kv_per_token
+    assert memory.tree_bytes([b, c]) == pytest.approx(kv * (4 + 2 + 1 + 3) + 2 * memory.ssm_bytes)
+
+
+def test_ets_keeps_less_memory_than_rebase(policy_model):
+    def peak(strategy, lambda_b):
+        config = SearchConfig(strategy=strategy, width=12, max_steps=3, step_max_tokens=2, lambda_b=lambda_b,
+                              lambda_d=0.0, seed=5)
+        return tree_search(policy_model, [5, 6], even_share, config).stats["peak_tree_bytes"]
+    assert peak("ets", 6.0) < peak("rebase", 0.0)

@@ -35,16 +35,20 @@ def test_rebase_allocation_sums_to_width_and_prefers_high_scores():
         rebase_allocation([0.1], 3, 0.0)
 
 
-def brute_force_ets(leaf_ancestors, scores, clusters, width, lambda_b, lambda_d, temperature):
+def brute_force_ets(leaf_ancestors, scores, clusters, width, lambda_b, lambda_d, temperature, node_costs=None,
+                    leaf_costs=None):
     n = len(scores)
     e = [math.exp(s / temperature) for s in scores]
     w = [x / sum(e) for x in e]
     all_nodes = {v for anc in leaf_ancestors for v in anc}
-    total_nodes, total_clusters = n + len(all_nodes), len(set(clusters))
+    node_cost = (lambda v: 1.0) if node_costs is None else node_costs.__getitem__
+    leaf_cost = [1.0] * n if leaf_costs is None else leaf_costs
+    total_nodes = sum(leaf_cost) + sum(node_cost(v) for v in all_nodes)
+    total_clusters = len(set(clusters))
     best, best_value = None, -math.inf
     for size in range(1, n + 1):
         for kept in itertools.combinations(range(n), size):
-            nodes = len(kept) + len({v for i in kept for v in leaf_ancestors[i]})
+            nodes = sum(leaf_cost[i] for i in kept) + sum(node_cost(v) for v in {v for i in kept for v in leaf_ancestors[i]})
             value = (sum(w[i] for i in kept) - lambda_b * nodes / total_nodes
                      + lambda_d * len({clusters[i] for i in kept}) / total_clusters)
             if value > best_value + 1e-12:
@@ -69,6 +73,11 @@ def test_ets_select_equals_brute_force(seed):
     got = ets_select(*args, lambda_b=lambda_b, lambda_d=lambda_d, temperature=0.2)
     assert got == brute_force_ets(*args, lambda_b, lambda_d, 0.2)
     assert sum(got) == 16
+    node_costs = {v: float(torch.rand((), generator=g)) * 3 for v in range(len(internal))}
+    leaf_costs = (torch.rand(n, generator=g) * 3).tolist()
+    got = ets_select(*args, lambda_b=lambda_b, lambda_d=lambda_d, temperature=0.2, node_costs=node_costs,
+                     leaf_costs=leaf_costs)
+    assert got == brute_force_ets(*args, lambda_b, lambda_d, 0.2, node_costs, leaf_costs)
 
 
 def test_ets_select_extremes():

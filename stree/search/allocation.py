@@ -39,14 +39,17 @@ def rebase_allocation(scores, width, temperature):
     return counts
 
 
-def ets_select(leaf_ancestors, scores, clusters, width, *, lambda_b, lambda_d, temperature):
+def ets_select(leaf_ancestors, scores, clusters, width, *, lambda_b, lambda_d, temperature, node_costs=None,
+               leaf_costs=None):
     """ETS: choose the leaves to keep by an exact ILP, then share `width` among them with REBASE.
 
     Maximise  sum_{i in S} w_i  -  lambda_b * |V_S| / |V_A|  +  lambda_d * |C_S| / |C_A|   subject to |S| >= 1, where
     w = softmax(scores / temperature) (REBASE's weights, normalised to sum 1 so the three terms share a scale),
     V_S = the kept leaves and every node on their paths, V_A = all leaves and nodes, C_S = clusters with a kept leaf.
+    With node_costs / leaf_costs, |V| becomes the sum of those costs (e.g. bytes a node keeps alive).
 
-    leaf_ancestors[i]: ids of the non-leaf nodes on leaf i's path; clusters[i]: leaf i's cluster label.
+    leaf_ancestors[i]: ids of the non-leaf nodes on leaf i's path; clusters[i]: leaf i's cluster label;
+    node_costs: {node id: cost} for the non-leaf nodes; leaf_costs[i]: leaf i's cost (both default to 1).
     Returns per-leaf continuation counts (0 = pruned) summing to width. Solved with SciPy's HiGHS MILP solver.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -59,12 +62,16 @@ def ets_select(leaf_ancestors, scores, clusters, width, *, lambda_b, lambda_d, t
     node_col = {v: n + k for k, v in enumerate(nodes)}
     cluster_col = {c: n + len(nodes) + k for k, c in enumerate(labels)}
     size = n + len(nodes) + len(labels)
-    total_nodes = n + len(nodes)
+    costs = np.array([1.0] * n if leaf_costs is None else list(leaf_costs), dtype=np.float64)
+    costs = np.concatenate([costs, [1.0 if node_costs is None else float(node_costs[v]) for v in nodes]])
+    if costs.shape[0] != n + len(nodes) or (costs < 0).any() or costs.sum() <= 0:
+        raise ValueError("leaf_costs must give one non-negative cost per leaf, node_costs one per ancestor id, "
+                         "not all zero")
 
     w = _softmax_weights(scores, temperature)
     gain = np.zeros(size)
-    gain[:n] = w / w.sum() - lambda_b / total_nodes
-    gain[n:n + len(nodes)] = -lambda_b / total_nodes
+    gain[:n + len(nodes)] = -lambda_b * costs / costs.sum()
+    gain[:n] += w / w.sum()
     gain[n + len(nodes):] = lambda_d / len(labels)
 
     rows, lower, upper = [], [], []

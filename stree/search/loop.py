@@ -87,16 +87,16 @@ def _best(trajectories, config, k):
     return sorted(trajectories, key=lambda t: -aggregate_step_scores(t.step_scores, config.aggregation))[:k]
 
 
-def best_of_n(live, width, config):
+def best_of_n(live, width, config, memory):
     return [(t, 1) for t in live]
 
 
-def beam(live, width, config):
+def beam(live, width, config, memory):
     kept = _best(live, config, config.kept)
     return list(zip(kept, _shares(width, len(kept))))
 
 
-def dvts(live, width, config):
+def dvts(live, width, config, memory):
     """Diverse verifier tree search: the first step's children are dealt into `kept` subtrees; each subtree
     continues only its best trajectory, with an equal share of the width."""
     groups = sorted({t.group for t in live})
@@ -104,27 +104,77 @@ def dvts(live, width, config):
     return [(_best([t for t in live if t.group == g], config, 1)[0], n) for g, n in zip(groups, shares)]
 
 
-def rebase(live, width, config):
+def rebase(live, width, config, memory):
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
     return list(zip(live, rebase_allocation(scores, width, config.rebase_temperature)))
 
 
-def ets(live, width, config):
+def ets(live, width, config, memory):
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
     clusters = cluster_embeddings(torch.stack([t.state.hidden.float().cpu() for t in live]).numpy(),
                                   config.cluster_threshold)
+    node_costs = {}
+    for t in live:
+        at = t.parent
+        while at is not None and at.node not in node_costs:
+            node_costs[at.node] = memory.node_bytes(at)
+            at = at.parent
     counts = ets_select([t.ancestors() for t in live], scores, clusters, width, lambda_b=config.lambda_b,
-                        lambda_d=config.lambda_d, temperature=config.rebase_temperature)
+                        lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
+                        leaf_costs=[memory.leaf_bytes(t) for t in live])
     return list(zip(live, counts))
 
 
 STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
 
 
+class TreeMemory:
+    """What a search tree keeps alive, in bytes, if nodes share their prefixes (the ETS cost model).
+
+    A node keeps the attention K/V of its step's tokens (the prompt for the root); a leaf also keeps one SSM
+    snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork. Measured on the
+    policy's cache after the prompt.
+    """
+
+    def __init__(self, root_state):
+        kv, ssm = 0, 0
+        for layer in root_state.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                kv += t.nbytes if isinstance(t, torch.Tensor) else 0
+            for name in ("conv_states", "recurrent_states"):
+                states = getattr(layer, name, None) or {}
+                ssm += sum(t.nbytes for t in states.values() if isinstance(t, torch.Tensor))
+        self.kv_per_token = kv / root_state.length
+        self.ssm_bytes = ssm
+        self.prompt_length = root_state.length
+
+    def node_bytes(self, trajectory):
+        tokens = len(trajectory.steps[-1]) if trajectory.steps else self.prompt_length
+        return self.kv_per_token * tokens
+
+    def leaf_bytes(self, trajectory):
+        return self.node_bytes(trajectory) + self.ssm_bytes
+
+    def tree_bytes(self, leaves):
+        """Bytes kept by the leaves and every node on their paths, each node once."""
+        seen, total = set(), 0.0
+        for leaf in leaves:
+            total += self.ssm_bytes
+            at = leaf
+            while at is not None and at.node not in seen:
+                seen.add(at.node)
+                total += self.node_bytes(at)
+                at = at.parent
+        return total
+
+
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
     """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
     (default: its last 8 tokens as a tuple). Returns a SearchResult; stats count the tokens of the distinct steps
-    drawn (siblings that drew the same step count once), verifier calls, steps and wall time."""
+    drawn (siblings that drew the same step count once), verifier calls, steps, wall time, and peak_tree_bytes:
+    the most bytes the retained tree (kept trajectories, finished ones and their shared prefixes) held after any
+    step under TreeMemory's model."""
     policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
                     step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                     eos_token_ids=config.eos_token_ids)
@@ -133,8 +183,10 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
     generator = torch.Generator().manual_seed(config.seed)
     start = time.perf_counter()
     root = Trajectory(node=0, parent=None, steps=[], step_scores=[], state=policy.prefill(prompt))
+    memory = TreeMemory(root.state)
     expansions = [(root, config.width)]
-    finished, live, next_node, stats = [], [], 1, dict(step_tokens=0, verifier_calls=0, steps=0)
+    finished, live, next_node = [], [], 1
+    stats = dict(step_tokens=0, verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
     for step in range(config.max_steps):
         children = []
         for parent, count in expansions:
@@ -156,7 +208,9 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
         width = config.width - len(finished)
         if not live or width <= 0:
             break
-        expansions = STRATEGIES[config.strategy](live, width, config)
+        expansions = STRATEGIES[config.strategy](live, width, config, memory)
+        kept = [t for t, count in expansions if count > 0]
+        stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"], memory.tree_bytes(kept + finished))
     final = finished or live
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in final]
     answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
