@@ -100,3 +100,28 @@ def test_ets_keeps_less_memory_than_rebase(policy_model):
                               lambda_d=0.0, seed=5)
         return tree_search(policy_model, [5, 6], even_share, config).stats["peak_tree_bytes"]
     assert peak("ets", 6.0) < peak("rebase", 0.0)
+
+
+def test_prm_verifier_scores_the_latest_step_at_its_tag(policy_model):
+    from stree.search import PRMVerifier
+    prm_model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=8)
+    prm = PRMVerifier(prm_model, step_tag_id=15, good_token_id=13, bad_token_id=14)
+    score = prm([1, 2], [[3, 4], [5]])
+    with torch.no_grad():
+        logits = prm_model(torch.tensor([[1, 2, 3, 4, 15, 5, 15]])).logits[0, -1]
+    assert 0.0 < score < 1.0 and score == pytest.approx(float(logits[[13, 14]].softmax(-1)[0]))
+    result = tree_search(policy_model, [1, 2], prm, SearchConfig(strategy="beam", width=4, max_steps=2,
+                                                                 step_max_tokens=2))
+    assert len(result.trajectories) == 4
+
+
+def test_ets_with_an_external_embedder(policy_model):
+    seen = []
+
+    def embedder(tokens):
+        seen.append(tokens)
+        return [float(tokens[-1] % 2), 1.0]  # two clusters: odd and even last tokens
+
+    config = SearchConfig(strategy="ets", width=6, max_steps=2, step_max_tokens=2)
+    tree_search(policy_model, [3], even_share, config, embedder=embedder)
+    assert len(seen) == 6  # every live trajectory of the one selection round was embedded

@@ -5,6 +5,8 @@ from .answers import aggregate_step_scores, weighted_majority_vote
 from .clusters import cluster_embeddings
 from .loop import STRATEGIES, SearchConfig, SearchResult, Trajectory, tree_search
 from .policy import Policy, PolicyState, Step
+from .verifiers import PRMVerifier
 
 __all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",
-           "Policy", "PolicyState", "Step", "STRATEGIES", "SearchConfig", "SearchResult", "Trajectory", "tree_search"]
+           "Policy", "PolicyState", "Step", "STRATEGIES", "SearchConfig", "SearchResult", "Trajectory", "tree_search",
+           "PRMVerifier"]

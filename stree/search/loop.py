@@ -87,16 +87,16 @@ def _best(trajectories, config, k):
     return sorted(trajectories, key=lambda t: -aggregate_step_scores(t.step_scores, config.aggregation))[:k]
 
 
-def best_of_n(live, width, config, memory):
+def best_of_n(live, width, config, context):
     return [(t, 1) for t in live]
 
 
-def beam(live, width, config, memory):
+def beam(live, width, config, context):
     kept = _best(live, config, config.kept)
     return list(zip(kept, _shares(width, len(kept))))
 
 
-def dvts(live, width, config, memory):
+def dvts(live, width, config, context):
     """Diverse verifier tree search: the first step's children are dealt into `kept` subtrees; each subtree
     continues only its best trajectory, with an equal share of the width."""
     groups = sorted({t.group for t in live})
@@ -104,16 +104,15 @@ def dvts(live, width, config, memory):
     return [(_best([t for t in live if t.group == g], config, 1)[0], n) for g, n in zip(groups, shares)]
 
 
-def rebase(live, width, config, memory):
+def rebase(live, width, config, context):
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
     return list(zip(live, rebase_allocation(scores, width, config.rebase_temperature)))
 
 
-def ets(live, width, config, memory):
+def ets(live, width, config, context):
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
-    clusters = cluster_embeddings(torch.stack([t.state.hidden.float().cpu() for t in live]).numpy(),
-                                  config.cluster_threshold)
-    node_costs = {}
+    clusters = cluster_embeddings(torch.stack([context.embed(t) for t in live]).numpy(), config.cluster_threshold)
+    memory, node_costs = context.memory, {}
     for t in live:
         at = t.parent
         while at is not None and at.node not in node_costs:
@@ -126,6 +125,18 @@ def ets(live, width, config, memory):
 
 
 STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
+
+
+@dataclass
+class SearchContext:
+    """What strategies may consult besides the live trajectories."""
+    memory: "TreeMemory"
+    embedder: object = None           # callable(tokens) -> 1-D vector; None = the policy's own hidden state
+
+    def embed(self, trajectory):
+        if self.embedder is None:
+            return trajectory.state.hidden.float().cpu()
+        return torch.as_tensor(self.embedder(trajectory.tokens), dtype=torch.float32).flatten().cpu()
 
 
 class TreeMemory:
@@ -169,12 +180,14 @@ class TreeMemory:
         return total
 
 
-def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
+def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
     """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
-    (default: its last 8 tokens as a tuple). Returns a SearchResult; stats count the tokens of the distinct steps
+    (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
+    the policy's hidden state at the step's last token, no extra model; e.g. a local sentence-transformers model's
+    encode on the decoded text). Returns a SearchResult; stats count the tokens of the distinct steps
     drawn (siblings that drew the same step count once), verifier calls, steps, wall time, and peak_tree_bytes:
-    the most bytes the retained tree (kept trajectories, finished ones and their shared prefixes) held after any
-    step under TreeMemory's model."""
+    the most bytes the tree held right after a step was generated (every live and finished trajectory with its
+    shared prefixes) under TreeMemory's model."""
     policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
                     step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                     eos_token_ids=config.eos_token_ids)
@@ -184,6 +197,7 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
     start = time.perf_counter()
     root = Trajectory(node=0, parent=None, steps=[], step_scores=[], state=policy.prefill(prompt))
     memory = TreeMemory(root.state)
+    context = SearchContext(memory, embedder)
     expansions = [(root, config.width)]
     finished, live, next_node = [], [], 1
     stats = dict(step_tokens=0, verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
@@ -205,12 +219,11 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None):
         stats["steps"] = step + 1
         finished += [c for c in children if c.finished]
         live = [c for c in children if not c.finished]
+        stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"], memory.tree_bytes(live + finished))
         width = config.width - len(finished)
-        if not live or width <= 0:
+        if not live or width <= 0 or step == config.max_steps - 1:
             break
-        expansions = STRATEGIES[config.strategy](live, width, config, memory)
-        kept = [t for t, count in expansions if count > 0]
-        stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"], memory.tree_bytes(kept + finished))
+        expansions = STRATEGIES[config.strategy](live, width, config, context)
     final = finished or live
     scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in final]
     answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
