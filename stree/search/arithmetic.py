@@ -1,0 +1,104 @@
+"""A verifiable multi-step task that needs no download: generated arithmetic word problems.
+
+A problem starts from a number and applies a few operations; its solution writes one line per operation,
+"a op b = c", then "answer: c". A program checks every step (right operands, right result), which makes an exact
+verifier for search, and solutions are training traces for a small policy. Text is tokenised character by
+character with CharTokenizer.
+"""
+import random
+from dataclasses import dataclass
+
+NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eli", "Fay")
+THINGS = ("apples", "coins", "books", "shells", "stamps")
+VERBS = {"+": "gets {} more", "-": "gives away {}", "*": "multiplies them by {}"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    start: int
+    ops: tuple                # ((op, operand), ...)
+    text: str
+
+    def results(self):
+        """The running value after each operation."""
+        values, value = [], self.start
+        for op, operand in self.ops:
+            value = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
+            values.append(value)
+        return values
+
+    def solution(self):
+        """Step lines "a op b = c" and the final "answer: c", each ending in a newline."""
+        lines, value = [], self.start
+        for (op, operand), result in zip(self.ops, self.results()):
+            lines.append(f"{value} {op} {operand} = {result}\n")
+            value = result
+        return lines + [f"answer: {value}\n"]
+
+
+def make_problem(rng, steps=3, max_start=20):
+    """A random problem with `steps` operations whose running values stay in 0..999."""
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    start = rng.randint(1, max_start)
+    value, ops, sentences = start, [], [f"{name} has {start} {thing}."]
+    while len(ops) < steps:
+        op = rng.choice("+-*")
+        operand = rng.randint(2, 5) if op == "*" else rng.randint(1, 20)
+        nxt = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
+        if 0 <= nxt <= 999:
+            ops.append((op, operand))
+            sentences.append(f"Then {name} {VERBS[op].format(operand)}.")
+            value = nxt
+    return Problem(start, tuple(ops), " ".join(sentences) + f" How many {thing}?\n")
+
+
+def make_problems(count, seed=0, steps=3):
+    rng = random.Random(seed)
+    return [make_problem(rng, steps) for _ in range(count)]
+
+
+def check_step(problem, previous_steps, step):
+    """1.0 if `step` (text) is the correct next line of the problem's solution given the steps so far, else 0.0.
+
+    Steps are judged on their content: the right operation on the right operands with the right result, or the
+    right final answer once every operation is done.
+    """
+    expected = problem.solution()
+    index = len(previous_steps)
+    if index >= len(expected):
+        return 0.0
+    if any(p.strip() != e.strip() for p, e in zip(previous_steps, expected)):
+        return 0.0  # a step after a wrong one cannot be right
+    return 1.0 if step.strip() == expected[index].strip() else 0.0
+
+
+def extract_answer(text):
+    """The integer after the last "answer:", or None."""
+    head, sep, tail = text.rpartition("answer:")
+    if not sep:
+        return None
+    digits = tail.strip().split("\n")[0].strip()
+    return int(digits) if digits.lstrip("-").isdigit() else None
+
+
+class CharTokenizer:
+    """Characters to ids over a fixed alphabet; id 0 is the end of sequence."""
+
+    ALPHABET = "\n abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?+-*="
+
+    def __init__(self):
+        self.ids = {c: i + 1 for i, c in enumerate(self.ALPHABET)}
+        self.eos_token_id = 0
+        self.newline_id = self.ids["\n"]
+
+    def __len__(self):
+        return len(self.ALPHABET) + 1
+
+    def encode(self, text):
+        unknown = set(text) - set(self.ids)
+        if unknown:
+            raise ValueError(f"characters outside the alphabet: {sorted(unknown)}")
+        return [self.ids[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.ALPHABET[i - 1] for i in ids if 0 < i <= len(self.ALPHABET))
