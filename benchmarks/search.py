@@ -1,0 +1,132 @@
+"""Tree search on a verifiable task: generated arithmetic word problems (stree.search.arithmetic).
+
+A small hybrid policy (Bamba: Mamba2 layers + one attention layer, character-level) is trained with stree.distill's
+Trainer on solution traces (once; saved under benchmarks/assets/arith-policy, rebuilt with --retrain). A program
+checks every step and serves as the verifier. For each strategy at the same width: accuracy, mean peak retained-tree
+bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per leaf), step tokens and wall time.
+Table on stdout, JSON and a PNG (accuracy against peak memory) in benchmarks/results/.
+
+    python benchmarks/search.py                       # 40 held-out two-operation problems, width 8
+    python benchmarks/search.py --problems 10 --width 4
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
+# package that transformers probes for when it is imported. Drop the folder first.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from stree.distill import TokenChunks, TrainConfig, Trainer  # noqa: E402
+from stree.search import SearchConfig, tree_search  # noqa: E402
+from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POLICY_DIR = os.path.join(HERE, "assets", "arith-policy")
+POLICY_CONFIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4, attn_layer_indices=[1, 3],
+                     num_attention_heads=6, num_key_value_heads=2, mamba_n_heads=6, mamba_d_head=64,
+                     mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+                     max_position_embeddings=1024, tie_word_embeddings=True)
+STRATEGY_RUNS = {  # name -> SearchConfig overrides
+    "best_of_n": dict(strategy="best_of_n"),
+    "beam": dict(strategy="beam"),
+    "dvts": dict(strategy="dvts"),
+    "rebase": dict(strategy="rebase"),
+    "ets (lb=1, ld=1)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0),
+    "ets (lb=2, ld=1)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0),
+}
+
+
+def train_policy(tokenizer, steps, ops, seed=0):
+    """Train the policy on 40000 generated problems and their solutions (problems seeded apart from the test set)."""
+    stream = []
+    for problem in make_problems(40000, seed=1000 + seed, steps=ops):
+        stream += tokenizer.encode(problem.text + "".join(problem.solution())) + [tokenizer.eos_token_id]
+    config = transformers.BambaConfig(vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=0, pad_token_id=0,
+                                      **POLICY_CONFIG)
+    policy = transformers.BambaForCausalLM(config)
+    Trainer(policy, TrainConfig(output_dir=tempfile.mkdtemp(prefix="arith-policy-"), steps=steps,
+                                batch_size=16, lr=3e-3, warmup=50, losses={"cross_entropy": 1.0}, seed=seed),
+            TokenChunks(torch.tensor(stream), 192)).train()
+    policy.to(torch.float16).save_pretrained(POLICY_DIR, safe_serialization=True)
+
+
+def run(policy, tokenizer, problems, name, overrides, width, seed):
+    correct, peaks, tokens, elapsed = 0, [], 0, 0.0
+    for i, problem in enumerate(problems):
+        def verifier(prompt, steps, problem=problem):
+            texts = [tokenizer.decode(s) for s in steps]
+            return check_step(problem, texts[:-1], texts[-1])
+
+        config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
+                              eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=24, seed=seed + i,
+                              **overrides)
+        start = time.perf_counter()
+        result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
+                             answer_fn=lambda t: extract_answer(tokenizer.decode(t)))
+        elapsed += time.perf_counter() - start
+        correct += result.answer == problem.results()[-1]
+        peaks.append(result.stats["peak_tree_bytes"])
+        tokens += result.stats["step_tokens"]
+    return dict(strategy=name, accuracy=correct / len(problems), peak_tree_kib=sum(peaks) / len(peaks) / 1024,
+                step_tokens=tokens / len(problems), seconds=elapsed / len(problems))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--problems", type=int, default=40)
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--ops", type=int, default=2, help="operations per problem")
+    parser.add_argument("--train-steps", type=int, default=2500)
+    parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_RUNS), choices=list(STRATEGY_RUNS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    tokenizer = CharTokenizer()
+    if args.retrain or not os.path.exists(os.path.join(POLICY_DIR, "model.safetensors")):
+        train_policy(tokenizer, args.train_steps, args.ops, args.seed)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(POLICY_DIR, dtype=torch.float32).eval()
+    problems = make_problems(args.problems, seed=args.seed, steps=args.ops)  # training problems use seeds 1000+
+    print(f"device: cpu ({platform.processor() or 'cpu'}), torch {torch.__version__}, threads "
+          f"{torch.get_num_threads()}; policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params "
+          f"(bamba, {policy.config.num_hidden_layers} layers); {args.problems} problems, width {args.width}")
+    rows = [run(policy, tokenizer, problems, name, STRATEGY_RUNS[name], args.width, args.seed)
+            for name in args.strategies]
+    print(f"{'strategy':>18} {'accuracy':>9} {'peak KiB':>9} {'step tok':>9} {'s/problem':>10}")
+    for r in rows:
+        print(f"{r['strategy']:>18} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
+              f"{r['seconds']:>10.2f}")
+    out = os.path.join(HERE, "results", "search-cpu.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(problems=args.problems, width=args.width, rows=rows), f, indent=1)
+    print(f"wrote {out}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["peak_tree_kib"], r["accuracy"])
+        ax.annotate(r["strategy"], (r["peak_tree_kib"], r["accuracy"]), fontsize=8)
+    ax.set_xlabel("peak retained tree (KiB)")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "results", "search-cpu.png"), dpi=120)
+    print(f"wrote {os.path.join(HERE, 'results', 'search-cpu.png')}")
+
+
+if __name__ == "__main__":
+    main()
