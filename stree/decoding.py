@@ -36,11 +36,6 @@ class GenerationStats:
         """Mean tokens emitted per target verification pass (STree's and Medusa's tau)."""
         return sum(self.tokens_per_pass) / max(len(self.tokens_per_pass), 1)
 
-    def as_dict(self):
-        return dict(new_tokens=self.new_tokens, target_passes=self.target_passes, draft_passes=self.draft_passes,
-                    tau=self.tau, draft_time=self.draft_time, verify_time=self.verify_time,
-                    commit_time=self.commit_time, total_time=self.total_time)
-
 
 @contextmanager
 def _timed(stats, name, device):

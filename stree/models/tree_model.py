@@ -43,10 +43,6 @@ class TreeModel:
         self.length = 0
         self._tree = None  # (parents, ancestors, {layer_idx: MixerTreeInputs}) of the uncommitted tree
 
-    @property
-    def vocab_size(self):
-        return self.model.config.vocab_size
-
     def _forward(self, input_ids, **kwargs):
         return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs).logits
 
