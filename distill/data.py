@@ -28,7 +28,9 @@ def stdlib_split(every=20):
 
 def random_windows(tokens, count, length, generator=None):
     """(count, length) int64: windows of a 1-D token stream at random offsets."""
-    starts = torch.randint(0, tokens.numel() - length, (count,), generator=generator)
+    if tokens.numel() < length:
+        raise ValueError(f"a stream of {tokens.numel()} tokens has no window of {length}")
+    starts = torch.randint(0, tokens.numel() - length + 1, (count,), generator=generator)
     return torch.stack([tokens[s:s + length] for s in starts.tolist()])
 
 

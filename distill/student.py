@@ -8,7 +8,7 @@ import copy
 import torch
 import transformers
 
-# Per family: the config field that lists layer kinds, and the kind names for a Mamba2 and an attention layer.
+# Per family: the config field that says which layers are which (None: every layer is alike).
 LAYER_LISTS = {
     "mamba2": None,
     "bamba": "attn_layer_indices",

@@ -3,7 +3,8 @@ periodic acceptance evaluation with the target, safetensors checkpoints (save_pr
 
 Runs as one process or under torch.distributed (torchrun / accelerate launch): the student is wrapped in DDP
 and every process reads its share of each global batch through a DistributedSampler, so N processes with
-batch_size b compute the same update as one process with batch_size N*b.
+batch_size b compute the same update as one process with batch_size N*b when every sequence counts the same
+number of positions (with uneven masks each process averages over its own positions first).
 """
 import math
 import os

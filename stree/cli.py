@@ -107,15 +107,19 @@ def cmd_distill(args):
 
     from .distill import (TokenChunks, TrainConfig, Trainer, load_tokens, random_windows, student_from_config,
                           target_continuations, text_files, tokenize_files)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun / accelerate
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun / accelerate: one device per process
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
     if args.student_config.lstrip().startswith("{"):
         student_config = json.loads(args.student_config)
     else:
         with open(args.student_config) as f:
             student_config = json.load(f)
-    student = student_from_config(target, student_config, share_embeddings=args.share_embeddings)
+    student = student_from_config(target, student_config, share_embeddings=args.share_embeddings).to(device)
     token_files = [p for p in args.data if p.endswith((".pt", ".npy"))]
     texts = text_files([p for p in args.data if p not in token_files])
     streams = [load_tokens(p) for p in token_files]
@@ -191,6 +195,7 @@ def build_parser():
     dist.add_argument("--eval-every", type=int, default=0)
     dist.add_argument("--save-every", type=int, default=0)
     dist.add_argument("--resume", help="checkpoint folder to continue from")
+    dist.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     dist.set_defaults(run=cmd_distill)
     return parser
 

@@ -36,6 +36,9 @@ class DynamicTree:
 
     def __post_init__(self):
         _check_positive(self, ("budget", "depth", "top_k", "frontier"))
+        if self.budget < self.top_k:
+            raise ValueError(f"DynamicTree.budget ({self.budget}) must be at least top_k ({self.top_k}): the root's "
+                             "children alone take top_k nodes")
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,12 @@ def test_dynamic_and_beam_tree_sizes(tree, most_nodes):
     _, stats = stree.generate(target, prompts([3])[0], draft_model=noisy_copy(target, 0.01, 4), max_new_tokens=40,
                               tree=tree, return_stats=True)
     assert max(stats.tree_sizes) <= most_nodes and min(stats.tree_sizes) > 1
+
+
+def test_dynamic_tree_budget_must_hold_the_roots_children():
+    with pytest.raises(ValueError, match="top_k"):
+        stree.DynamicTree(budget=2, top_k=3)
+    target = without_eos(tiny_model("mamba2", dtype=torch.float64))
+    out = stree.generate(target, prompts([3])[0], draft_model=target, max_new_tokens=12, temperature=1.0,
+                         tree=stree.DynamicTree(budget=2, top_k=2, frontier=1), generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 15)

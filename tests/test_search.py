@@ -37,8 +37,9 @@ def test_every_strategy_runs_end_to_end(policy_model, strategy):
     result = tree_search(policy_model, [1, 2, 3], verifier, config, answer_fn=lambda tokens: tokens[-1] % 3)
     assert result.answer in (0, 1, 2)
     assert len(result.trajectories) == 9 and all(len(t.steps) == 3 for t in result.trajectories)
-    assert [calls.count(d) for d in (1, 2, 3)] == [9, 9, 9]  # nothing finishes, so every step spends the width
-    assert result.stats["steps"] == 3 and result.stats["verifier_calls"] == 27
+    # nothing finishes, so every step spends the width; siblings that drew the same step are scored once
+    assert all(1 <= calls.count(d) <= 9 for d in (1, 2, 3)) and result.stats["verifier_calls"] == len(calls)
+    assert result.stats["steps"] == 3
     if strategy == "beam":
         assert all(len(depth_nodes(result.trajectories, d)) <= 3 for d in (1, 2))
     if strategy == "dvts":
@@ -64,6 +65,7 @@ def test_width_shrinks_as_trajectories_finish(policy_model):
     result = tree_search(policy_model, [4, 5], even_share, config)
     assert all(t.finished for t in result.trajectories) and len(result.trajectories) <= 8
     assert result.stats["verifier_calls"] <= 8 * result.stats["steps"]
+    assert SearchConfig(strategy="ets").kept == 4
 
 
 def test_bad_config():

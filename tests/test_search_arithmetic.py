@@ -46,3 +46,7 @@ def test_char_tokenizer_round_trip():
     assert tok.newline_id == tok.encode("\n")[0] and tok.eos_token_id == 0 and len(tok) == len(tok.ALPHABET) + 1 == 73
     with pytest.raises(ValueError):
         tok.encode("é")
+
+
+def test_extract_answer_rejects_malformed_numbers():
+    assert extract_answer("answer: --5") is None and extract_answer("answer: -5") == -5

@@ -101,3 +101,11 @@ def test_tree_conv1d_rejects_bad_input(change, message):
 def test_tree_conv_state_rejects_bad_nodes():
     with pytest.raises(ValueError, match="out of range"):
         tree_conv_state(torch.zeros(1, 3, 4), torch.tensor([[-1, 0, 1]]), torch.tensor([3]), torch.zeros(1, 4, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permuted_inputs(backend, device):
+    args = make_inputs(random_rows("random", 9, batch=2, seed=8), seed=8, device=device)
+    permuted = args["x"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, non-contiguous strides
+    torch.testing.assert_close(tree_conv1d(**dict(args, x=permuted), backend=backend),
+                               tree_conv1d(**args, backend=backend))

@@ -213,3 +213,17 @@ def test_triton_rejects_float64():
     args["x"] = args["x"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_scan(**args, backend="triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_tree_and_permuted_inputs(backend, device):
+    """T = 0 returns the initial state; inputs with permuted strides give the same outputs as contiguous ones."""
+    inputs, extras = make_inputs([[-1, 0, 0]], seed=6, device=device)
+    empty = {k: v[:, :0] for k, v in inputs.items() if k in ("x", "dt", "B", "parents")}
+    states = tree_states(**empty, A=inputs["A"], nodes=torch.tensor([-1], device=device),
+                         initial_states=extras["initial_states"], backend=backend)
+    torch.testing.assert_close(states, extras["initial_states"])
+    x = inputs["x"]
+    permuted = x.transpose(2, 3).contiguous().transpose(2, 3)  # same values, non-contiguous strides
+    torch.testing.assert_close(tree_scan(**dict(inputs, x=permuted), **extras, backend=backend),
+                               tree_scan(**inputs, **extras, backend=backend))

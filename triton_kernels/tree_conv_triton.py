@@ -63,7 +63,7 @@ def _tree_conv_state_kernel(x_ptr, parents_ptr, nodes_ptr, state_ptr, out_ptr, T
 def tree_conv1d(x, weight, bias, parents, conv_state, silu):
     """See tree_conv.tree_conv1d (inputs already validated)."""
     batch, T, dim = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return y
     grid = (batch, triton.cdiv(T, BLOCK_T), triton.cdiv(dim, BLOCK_D))

@@ -43,7 +43,11 @@ def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
                 dt_limit=(0.0, float("inf")), initial_states=None):
     """See tree_scan.tree_states. Returns states (batch, nheads, headdim, dstate) in the compute dtype."""
     cd = compute_dtype(x)
-    batch, nheads = x.shape[0], x.shape[2]
+    batch, T, nheads, headdim = x.shape
+    if T == 0:  # nothing can be accepted: the initial state comes back
+        if initial_states is not None:
+            return initial_states.to(cd)
+        return torch.zeros(batch, nheads, headdim, B.shape[-1], dtype=cd, device=x.device)
     dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
     rows = torch.arange(batch, device=x.device)
     accepted = nodes >= 0

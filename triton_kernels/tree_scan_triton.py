@@ -124,7 +124,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
     ngroups, dstate = B.shape[2:]
     _check_dstate(dstate)
     dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, torch.float32)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return y
     d = None if D is None else D.float().reshape(nheads, -1).expand(nheads, headdim).contiguous()

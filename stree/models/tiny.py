@@ -2,7 +2,8 @@
 import torch
 import transformers
 
-# Each: config class name, model class name, config kwargs (hidden 32, vocab 64, 2-4 layers, >= 1 attention).
+# Each: config class name, model class name, config kwargs (hidden 32, vocab 64, 2-4 layers; every hybrid has at
+# least one attention layer, mamba2 has none).
 TINY_CONFIGS = {
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=2,

@@ -7,7 +7,8 @@ import math
 import numpy as np
 
 
-def _softmax_weights(scores, temperature):
+def _exp_weights(scores, temperature):
+    """exp(score / temperature), shifted by the top score (unnormalised; only ratios are used)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     scores = np.asarray(scores, dtype=np.float64)
@@ -27,7 +28,7 @@ def rebase_allocation(scores, width, temperature):
         if width:
             raise ValueError("no leaves to allocate a positive width to")
         return []
-    e = _softmax_weights(scores, temperature)
+    e = _exp_weights(scores, temperature)
     counts = [0] * len(e)
     remaining_width, remaining_mass = width, float(e.sum())
     for i in sorted(range(len(e)), key=lambda i: (-scores[i], i)):
@@ -68,7 +69,7 @@ def ets_select(leaf_ancestors, scores, clusters, width, *, lambda_b, lambda_d, t
         raise ValueError("leaf_costs must give one non-negative cost per leaf, node_costs one per ancestor id, "
                          "not all zero")
 
-    w = _softmax_weights(scores, temperature)
+    w = _exp_weights(scores, temperature)
     gain = np.zeros(size)
     gain[:n + len(nodes)] = -lambda_b * costs / costs.sum()
     gain[:n] += w / w.sum()

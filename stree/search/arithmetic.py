@@ -5,12 +5,15 @@ A problem starts from a number and applies a few operations; its solution writes
 verifier for search, and solutions are training traces for a small policy. Text is tokenised character by
 character with CharTokenizer.
 """
+import operator
 import random
+import re
 from dataclasses import dataclass
 
 NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eli", "Fay")
 THINGS = ("apples", "coins", "books", "shells", "stamps")
 VERBS = {"+": "gets {} more", "-": "gives away {}", "*": "multiplies them by {}"}
+APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class Problem:
         """The running value after each operation."""
         values, value = [], self.start
         for op, operand in self.ops:
-            value = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
+            value = APPLY[op](value, operand)
             values.append(value)
         return values
 
@@ -44,7 +47,7 @@ def make_problem(rng, steps=3, max_start=20):
     while len(ops) < steps:
         op = rng.choice("+-*")
         operand = rng.randint(2, 5) if op == "*" else rng.randint(1, 20)
-        nxt = {"+": value + operand, "-": value - operand, "*": value * operand}[op]
+        nxt = APPLY[op](value, operand)
         if 0 <= nxt <= 999:
             ops.append((op, operand))
             sentences.append(f"Then {name} {VERBS[op].format(operand)}.")
@@ -77,8 +80,8 @@ def extract_answer(text):
     head, sep, tail = text.rpartition("answer:")
     if not sep:
         return None
-    digits = tail.strip().split("\n")[0].strip()
-    return int(digits) if digits.lstrip("-").isdigit() else None
+    number = tail.strip().split("\n")[0].strip()
+    return int(number) if re.fullmatch(r"-?[0-9]+", number) else None
 
 
 class CharTokenizer:

@@ -207,14 +207,14 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
             if count <= 0:
                 continue
             for drawn in policy.sample_steps(parent.state, count, generator):
+                steps = parent.steps + [drawn.tokens]
+                score = verifier(prompt, steps)  # siblings that drew the same step share its score
+                stats["verifier_calls"] += 1
                 for _ in range(drawn.count):
-                    steps = parent.steps + [drawn.tokens]
                     group = len(children) % config.kept if step == 0 else parent.group
-                    child = Trajectory(next_node, parent, steps, parent.step_scores + [verifier(prompt, steps)],
-                                       drawn.state, drawn.finished, group)
+                    children.append(Trajectory(next_node, parent, steps, parent.step_scores + [score], drawn.state,
+                                               drawn.finished, group))
                     next_node += 1
-                    children.append(child)
-                    stats["verifier_calls"] += 1
                 stats["step_tokens"] += len(drawn.tokens)
         stats["steps"] = step + 1
         finished += [c for c in children if c.finished]
