@@ -61,13 +61,16 @@ class Trajectory:
     def tokens(self):
         return [t for step in self.steps for t in step]
 
+    def lineage(self):
+        """This trajectory, then its parent, and so on up to the prompt."""
+        at = self
+        while at is not None:
+            yield at
+            at = at.parent
+
     def ancestors(self):
         """Search-tree node ids above this trajectory's node, nearest last."""
-        ids, at = [], self.parent
-        while at is not None:
-            ids.append(at.node)
-            at = at.parent
-        return ids[::-1]
+        return [t.node for t in self.lineage()][1:][::-1]
 
 
 @dataclass
@@ -83,8 +86,13 @@ def _shares(total, parts):
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def _scores(trajectories, config):
+    return [aggregate_step_scores(t.step_scores, config.aggregation) for t in trajectories]
+
+
 def _best(trajectories, config, k):
-    return sorted(trajectories, key=lambda t: -aggregate_step_scores(t.step_scores, config.aggregation))[:k]
+    scores = _scores(trajectories, config)
+    return [trajectories[i] for i in sorted(range(len(trajectories)), key=lambda i: -scores[i])[:k]]
 
 
 def best_of_n(live, width, config, context):
@@ -105,19 +113,14 @@ def dvts(live, width, config, context):
 
 
 def rebase(live, width, config, context):
-    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
-    return list(zip(live, rebase_allocation(scores, width, config.rebase_temperature)))
+    return list(zip(live, rebase_allocation(_scores(live, config), width, config.rebase_temperature)))
 
 
 def ets(live, width, config, context):
-    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in live]
+    scores = _scores(live, config)
     clusters = cluster_embeddings(torch.stack([context.embed(t) for t in live]).numpy(), config.cluster_threshold)
-    memory, node_costs = context.memory, {}
-    for t in live:
-        at = t.parent
-        while at is not None and at.node not in node_costs:
-            node_costs[at.node] = memory.node_bytes(at)
-            at = at.parent
+    memory = context.memory
+    node_costs = {at.node: memory.node_bytes(at) for t in live for at in list(t.lineage())[1:]}
     counts = ets_select([t.ancestors() for t in live], scores, clusters, width, lambda_b=config.lambda_b,
                         lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
                         leaf_costs=[memory.leaf_bytes(t) for t in live])
@@ -169,15 +172,8 @@ class TreeMemory:
 
     def tree_bytes(self, leaves):
         """Bytes kept by the leaves and every node on their paths, each node once."""
-        seen, total = set(), 0.0
-        for leaf in leaves:
-            total += self.ssm_bytes
-            at = leaf
-            while at is not None and at.node not in seen:
-                seen.add(at.node)
-                total += self.node_bytes(at)
-                at = at.parent
-        return total
+        nodes = {at.node: at for leaf in leaves for at in leaf.lineage()}
+        return len(leaves) * self.ssm_bytes + sum(self.node_bytes(at) for at in nodes.values())
 
 
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
@@ -225,7 +221,7 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
             break
         expansions = STRATEGIES[config.strategy](live, width, config, context)
     final = finished or live
-    scores = [aggregate_step_scores(t.step_scores, config.aggregation) for t in final]
+    scores = _scores(final, config)
     answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
     stats["wall_time"] = time.perf_counter() - start
     return SearchResult(answer, final, scores, stats)
