@@ -64,6 +64,10 @@ class Policy:
         cache = copy.deepcopy(state.cache) if fork else state.cache
         return self._run(cache, state.length, list(tokens))
 
+    def ends_step(self, token, length):
+        """Whether a step ends with `token` as its `length`-th token: a delimiter, EOS or the token budget."""
+        return token in self.delimiters or token in self.eos or length >= self.step_max_tokens
+
     def sample_steps(self, state, n, generator=None):
         """n sibling steps drawn independently from `state`, merged while their tokens agree.
 
@@ -81,8 +85,7 @@ class Policy:
                 grown = tokens + [token]
                 # An owned cache's last branch may take it over: nobody else reads it any more.
                 child = self.extend(at, [token], fork=not owned or branch < len(draws) - 1)
-                ended = token in self.delimiters or token in self.eos or len(grown) >= self.step_max_tokens
-                if ended:
+                if self.ends_step(token, len(grown)):
                     steps.append(Step(grown, child, k, token in self.eos))
                 else:
                     groups.append((child, k, grown, True))
