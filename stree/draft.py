@@ -96,22 +96,26 @@ class _Growth:
     def root(self):
         return self.depth.index(0)
 
-    def run_draft(self):
-        """One draft tree pass over everything grown so far; returns logits (T, vocab)."""
-        if self.passed:
-            self.draft.discard()
+    def run_draft(self, nodes):
+        """One draft pass over the nodes grown since the previous pass (the draft's uncommitted tree is extended,
+        not recomputed). nodes: ids among those new nodes. Returns {node: logits (vocab,)}, the LM head run on
+        `nodes` only."""
         device = self.draft.model.device
-        logits = self.draft.tree_forward(torch.tensor([self.tokens], device=device),
-                                         torch.tensor([self.parents], device=device))[0]
+        tokens = torch.tensor([self.tokens[self.passed:]], device=device)
+        parents = torch.tensor([self.parents[self.passed:]], device=device)
+        keep = [node - self.passed for node in nodes]
+        run = self.draft.extend if self.passed else self.draft.tree_forward
+        logits = run(tokens, parents, logits_for=keep)[0]
         self.passed = len(self.tokens)
         self.passes += 1
-        return logits
+        return dict(zip(nodes, logits))
 
     def log_probs(self, logits, node):
         return self.sampler.scores(logits[node], self.generated + self.depth[node]).log_softmax(-1)
 
     def children(self, logits, node, k):
-        """k children of `node`: the top-k tokens when greedy, else k draws without replacement.
+        """k children of `node` (logits: run_draft's dict): the top-k tokens when greedy, else k draws without
+        replacement.
 
         Returns [(token, log q(token))] in drawing order."""
         log_q = self.log_probs(logits, node)
@@ -142,7 +146,7 @@ class _Growth:
 def _static(growth, spec):
     frontier = [growth.root]
     for width in spec.branching:
-        logits = growth.run_draft()
+        logits = growth.run_draft(frontier)
         frontier = [growth.add(node, token) for node in frontier for token, _ in growth.children(logits, node, width)]
     return growth.result()
 
@@ -157,7 +161,7 @@ def _dynamic(growth, spec):
             expand = expand[:room // spec.top_k]
         if not expand:
             break
-        logits = growth.run_draft()
+        logits = growth.run_draft(expand)
         frontier = []
         for node in expand:
             for token, log_q in growth.children(logits, node, spec.top_k):
@@ -178,7 +182,7 @@ def _beam(growth, spec):
                          "StaticTree or DynamicTree with temperature > 0")
     beams = [(growth.root, 0.0)]
     for _ in range(spec.steps):
-        logits = growth.run_draft()
+        logits = growth.run_draft([node for node, _ in beams])
         candidates = [(score + log_q, node, token) for node, score in beams
                       for token, log_q in growth.children(logits, node, spec.beams)]
         candidates.sort(key=lambda c: -c[0])

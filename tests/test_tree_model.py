@@ -88,6 +88,34 @@ def test_commit_equals_feeding_the_path(family, accepted):
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
+    """Three extend() calls with random split points: the new nodes' logits equal one tree_forward() over the
+    whole tree, logits_for picks rows, and the commit of a node added last equals sequential decoding."""
+    model = tiny_model(family, dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    tokens, parents = random_tree(13, seed=6)
+    full = TreeModel(model)
+    full.prefill(prompt)
+    want = full.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    grown = TreeModel(model)
+    grown.prefill(prompt)
+    got, pieces = [], [(0, 1), (1, 5), (5, 6), (6, 13)]
+    for n, (a, b) in enumerate(pieces):
+        grow = grown.extend if n else grown.tree_forward
+        got.append(grow(torch.tensor([tokens[a:b]]), torch.tensor([parents[a:b]]))[0])
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-7, atol=1e-7)
+    grown.discard()
+    grown.tree_forward(torch.tensor([tokens[:9]]), torch.tensor([parents[:9]]))
+    rows = grown.extend(torch.tensor([tokens[9:]]), torch.tensor([parents[9:]]), logits_for=[3, 0])[0]
+    torch.testing.assert_close(rows, want[[12, 9]], rtol=1e-7, atol=1e-7)
+    grown.commit(torch.tensor([12]))
+    _, ref_cache = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, 12)])
+    got_cache, want_cache = layer_tensors(grown.cache), layer_tensors(ref_cache)
+    for name in want_cache:
+        torch.testing.assert_close(got_cache[name], want_cache[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_unsupported_model_lists_supported():
     from transformers import GPT2Config, GPT2LMHeadModel
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
@@ -107,11 +135,15 @@ def test_tree_model_usage_errors():
     with pytest.raises(RuntimeError, match="prefill"):
         tm.tree_forward(torch.tensor([[1]]), torch.tensor([[-1]]))
     tm.prefill(torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match="no tree to extend"):
+        tm.extend(torch.tensor([[1]]), torch.tensor([[-1]]))
     with pytest.raises(RuntimeError, match="tree_forward"):
         tm.commit(torch.tensor([0]))
     tm.tree_forward(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]]))
     with pytest.raises(RuntimeError, match="not committed"):
         tm.tree_forward(torch.tensor([[1]]), torch.tensor([[-1]]))
+    with pytest.raises(ValueError, match="topological"):  # new node 2 may not point at itself
+        tm.extend(torch.tensor([[3]]), torch.tensor([[2]]))
     with pytest.raises(ValueError, match="node ids"):
         tm.commit(torch.tensor([2]))
     tm.discard()

@@ -5,7 +5,7 @@ norm, out_proj); FalconH1 adds an input multiplier, a per-segment mup_vector on 
 norm. The tree pass mirrors HF's single-token *decode* path (no dt clamp: the decode path has none), because
 HF's greedy generate runs every new token through it.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +21,30 @@ def is_mamba_mixer(module):
 
 @dataclass
 class MixerTreeInputs:
-    """What a mixer's tree pass saw, kept until the commit. Shapes for batch b, T nodes."""
+    """What a mixer's tree pass saw, kept until the commit (and for extending the tree). Shapes for batch b,
+    T nodes."""
     xbc: torch.Tensor   # (b, T, conv_dim) pre-conv inputs
     x: torch.Tensor     # (b, T, nheads, headdim) post-conv SSM inputs
     dt: torch.Tensor    # (b, T, nheads) raw dt (before dt_bias / softplus)
     B: torch.Tensor     # (b, T, ngroups, dstate)
+    C: torch.Tensor     # (b, T, ngroups, dstate)
+
+    def extended(self, new):
+        """These nodes followed by `new`'s, field by field."""
+        return MixerTreeInputs(*(torch.cat([getattr(self, f.name), getattr(new, f.name)], dim=1)
+                                 for f in fields(self)))
 
 
-def mixer_tree_forward(mixer, hidden_states, cache_layer, parents):
-    """Run `mixer` over a tree on top of its cached prefix state, without writing the cache.
+def mixer_tree_forward(mixer, hidden_states, cache_layer, parents, previous=None):
+    """Run `mixer` over a tree's new nodes on top of its cached prefix state, without writing the cache.
 
-    hidden_states (b, T, hidden); cache_layer holds conv_states[0] (b, conv_dim, K) and recurrent_states[0]
-    (b, nheads, headdim, dstate); parents (b, T). Returns (output (b, T, hidden), MixerTreeInputs).
+    hidden_states (b, T_new, hidden) of the tree's last T_new nodes; previous: the MixerTreeInputs of the
+    T_old = T - T_new nodes before them (None when T_old = 0); cache_layer holds conv_states[0] (b, conv_dim, K)
+    and recurrent_states[0] (b, nheads, headdim, dstate); parents (b, T) of the whole tree.
+    Returns (output (b, T_new, hidden), MixerTreeInputs of all T nodes).
     """
-    batch, T, _ = hidden_states.shape
+    batch, T_new, _ = hidden_states.shape
+    T_old = 0 if previous is None else previous.x.shape[1]
     dtype = hidden_states.dtype
     falcon = hasattr(mixer, "mup_vector")
     if falcon:
@@ -43,22 +53,27 @@ def mixer_tree_forward(mixer, hidden_states, cache_layer, parents):
     if falcon:
         projected = projected * mixer.mup_vector
     gate, xbc, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    if previous is not None:
+        xbc = torch.cat([previous.xbc, xbc], dim=1)
+    # Old nodes' conv outputs and SSM outputs are recomputed and dropped: the O(T) and O(T^2) parts are cheap
+    # next to the projections, which only the new nodes go through.
     conv_out = tree_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, parents, cache_layer.conv_states[0],
-                           activation=mixer.activation)
+                           activation=mixer.activation)[:, T_old:]
     group_width = mixer.n_groups * mixer.ssm_state_size
     x, B, C = conv_out.split([mixer.intermediate_size, group_width, group_width], dim=-1)
-    x = x.reshape(batch, T, mixer.num_heads, mixer.head_dim)
-    B = B.reshape(batch, T, mixer.n_groups, mixer.ssm_state_size)
-    C = C.reshape(batch, T, mixer.n_groups, mixer.ssm_state_size)
+    new = MixerTreeInputs(xbc[:, T_old:], x.reshape(batch, T_new, mixer.num_heads, mixer.head_dim), dt,
+                          B.reshape(batch, T_new, mixer.n_groups, mixer.ssm_state_size),
+                          C.reshape(batch, T_new, mixer.n_groups, mixer.ssm_state_size))
+    seen = new if previous is None else previous.extended(new)
     A = -torch.exp(mixer.A_log.float())
-    y = tree_scan(x, dt, A, B, C, parents, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True,
-                  initial_states=cache_layer.recurrent_states[0])
-    y = y.reshape(batch, T, mixer.intermediate_size)
+    y = tree_scan(seen.x, seen.dt, A, seen.B, seen.C, parents, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True,
+                  initial_states=cache_layer.recurrent_states[0])[:, T_old:]
+    y = y.reshape(batch, T_new, mixer.intermediate_size)
     if falcon and not mixer.mamba_rms_norm:
         y = y * F.silu(gate)
     else:
         y = mixer.norm(y, gate)
-    return mixer.out_proj(y.to(dtype)), MixerTreeInputs(xbc, x, dt, B)
+    return mixer.out_proj(y.to(dtype)), seen
 
 
 def commit_mixer(mixer, cache_layer, inputs, parents, nodes):

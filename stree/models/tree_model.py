@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from ..triton_kernels import ancestor_mask
+from ..triton_kernels.utils import check_parents
 from .mixer import commit_mixer, is_mamba_mixer, mixer_tree_forward
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
@@ -62,30 +63,56 @@ class TreeModel:
         return logits
 
     @torch.no_grad()
-    def tree_forward(self, tokens, parents):
+    def tree_forward(self, tokens, parents, *, logits_for=None):
         """Logits (batch, T, vocab) of every node of a tree on top of the cache, in one forward pass.
 
         tokens (batch, T) int64; parents (batch, T) int64, parents[b, i] < i, -1 = child of the cached prefix.
-        Node i's logits are those the model gives after prefix + path(i). The cache stays the prefix until
-        commit() (or discard()) is called.
+        Node i's logits are those the model gives after prefix + path(i). logits_for: optional (K,) node ids;
+        then only their logits are computed (LM head on K rows): (batch, K, vocab). The cache stays the prefix
+        until commit() (or discard()) is called; extend() may grow the tree first.
         """
         if self.cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
         if self._tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
+        return self._grow(tokens, parents, logits_for)
+
+    @torch.no_grad()
+    def extend(self, tokens, parents, *, logits_for=None):
+        """Grow the uncommitted tree by new nodes and return their logits (batch, T_new or K, vocab).
+
+        tokens (batch, T_new); parents (batch, T_new) index the whole tree: the T_old nodes already passed, then
+        these (new node j has id T_old + j, so parents[b, j] < T_old + j; -1 = child of the prefix). Only the new
+        nodes go through the layers; their logits equal those of one tree_forward() over the grown tree.
+        logits_for: optional (K,) positions in `tokens` whose logits to compute.
+        """
+        if self._tree is None:
+            raise RuntimeError("no tree to extend: call tree_forward() first")
+        return self._grow(tokens, parents, logits_for)
+
+    def _grow(self, tokens, parents, logits_for):
         if tokens.shape != parents.shape or tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be (batch, T)")
+        old_parents, _, stash = self._tree or (parents[:, :0], None, {})
+        batch, T_new = tokens.shape
+        if old_parents.shape[0] != batch:
+            raise ValueError(f"the tree has batch {old_parents.shape[0]}, the new nodes have batch {batch}")
+        T_old = old_parents.shape[1]
+        parents = check_parents(torch.cat([old_parents, parents.to(old_parents.device)], dim=1), batch,
+                                T_old + T_new, tokens.device)
         ancestors = ancestor_mask(parents)
         kwargs = {}
+        if logits_for is not None:
+            kwargs["logits_to_keep"] = torch.as_tensor(logits_for, device=tokens.device).long().reshape(-1)
         if self.uses_attention:
-            batch, T = tokens.shape
-            kwargs["position_ids"] = self.length + ancestors.sum(-1) - 1
-            allowed = torch.cat([ancestors.new_ones(batch, T, self.length), ancestors], dim=-1)
+            new_rows = ancestors[:, T_old:]                                          # (batch, T_new, T)
+            kwargs["position_ids"] = self.length + new_rows.sum(-1) - 1
+            allowed = torch.cat([new_rows.new_ones(batch, T_new, self.length), new_rows], dim=-1)
             dtype = self.model.dtype
-            kwargs["attention_mask"] = torch.zeros(batch, 1, T, self.length + T, dtype=dtype,
+            kwargs["attention_mask"] = torch.zeros(batch, 1, T_new, self.length + T_old + T_new, dtype=dtype,
                                                    device=tokens.device).masked_fill(~allowed[:, None],
                                                                                      torch.finfo(dtype).min)
-        stash = {}
+        stash = dict(stash)
         with self._tree_mixers(parents, stash):
             logits = self._forward(tokens, **kwargs)
         self._tree = (parents, ancestors, stash)
@@ -93,10 +120,12 @@ class TreeModel:
 
     @contextmanager
     def _tree_mixers(self, parents, stash):
+        """Swap every mixer's forward for the tree pass; stash[layer] holds the tree's mixer inputs so far."""
         def tree_forward_of(mixer):
             def forward(hidden_states, *args, **kwargs):
                 layer = self.cache.layers[mixer.layer_idx]
-                out, stash[mixer.layer_idx] = mixer_tree_forward(mixer, hidden_states, layer, parents)
+                out, stash[mixer.layer_idx] = mixer_tree_forward(mixer, hidden_states, layer, parents,
+                                                                 stash.get(mixer.layer_idx))
                 return out
             return forward
 
