@@ -227,3 +227,31 @@ def test_empty_tree_and_permuted_inputs(backend, device):
     permuted = x.transpose(2, 3).contiguous().transpose(2, 3)  # same values, non-contiguous strides
     torch.testing.assert_close(tree_scan(**dict(inputs, x=permuted), **extras, backend=backend),
                                tree_scan(**inputs, **extras, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tree_index_is_reused_across_calls(backend, device):
+    """One TreeIndex serves every kernel call on the same trees with the same results as raw parents; a TreeIndex
+    of other trees is refused."""
+    from stree.triton_kernels import TreeIndex, tree_conv1d, tree_conv_state
+    rows = random_rows("random", 9, batch=2, seed=3)
+    inputs, extras = make_inputs(rows, device=device)
+    parents = inputs.pop("parents")
+    index = TreeIndex(parents)
+    nodes = torch.tensor([8, -1], device=device)
+    xbc = torch.randn(2, 9, 6, device=device)
+    conv_state, weight = torch.randn(2, 6, 4, device=device), torch.randn(6, 4, device=device)
+    for tree in (parents, index, index):  # the second use of the index reads its cached windows
+        y = tree_scan(**inputs, parents=tree, **extras, backend=backend)
+        torch.testing.assert_close(y, tree_scan(**inputs, parents=parents, **extras, backend=backend))
+    torch.testing.assert_close(
+        tree_states(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], index, nodes, backend=backend),
+        tree_states(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], parents, nodes, backend=backend))
+    torch.testing.assert_close(tree_conv1d(xbc, weight, None, index, conv_state, backend=backend),
+                               tree_conv1d(xbc, weight, None, parents, conv_state, backend=backend))
+    torch.testing.assert_close(tree_conv_state(xbc, index, nodes, conv_state, backend=backend),
+                               tree_conv_state(xbc, parents, nodes, conv_state, backend=backend))
+    with pytest.raises(ValueError, match="TreeIndex is for trees of shape"):
+        tree_scan(**inputs, parents=TreeIndex(parents[:, :5]), **extras, backend=backend)
+    with pytest.raises(ValueError, match="topological"):
+        TreeIndex(torch.tensor([[-1, 1]]))

@@ -5,6 +5,6 @@ Each op has a Triton kernel and a vectorised PyTorch reference, chosen by ``back
 """
 from .tree_conv import tree_conv1d, tree_conv_state
 from .tree_scan import tree_scan, tree_states
-from .utils import ancestor_mask
+from .utils import TreeIndex, ancestor_mask
 
-__all__ = ["tree_scan", "tree_states", "tree_conv1d", "tree_conv_state", "ancestor_mask"]
+__all__ = ["tree_scan", "tree_states", "tree_conv1d", "tree_conv_state", "ancestor_mask", "TreeIndex"]

@@ -4,7 +4,7 @@ Node i's window is [u_{a_{W-1}}, ..., u_{a_1}, u_i] with a_1 = parent(i), a_2 = 
 path leaves the tree the window continues into conv_state, newest column last (DESIGN.md §2).
 """
 from . import tree_conv_torch
-from .utils import check_float, check_nodes, check_parents, check_shape, resolve_backend
+from .utils import check_float, check_nodes, check_shape, resolve_backend, tree_index
 
 ACTIVATIONS = ("silu", "swish", None, "identity")
 
@@ -17,7 +17,7 @@ def _check_conv_inputs(x, parents, conv_state):
     check_float("conv_state", conv_state)
     if conv_state.device != x.device:
         raise ValueError(f"conv_state is on {conv_state.device} but x is on {x.device}")
-    return check_parents(parents, batch, T, x.device)
+    return tree_index(parents, batch, T, x.device)
 
 
 def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", backend="auto"):
@@ -27,14 +27,14 @@ def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", back
         x: (batch, T, dim) pre-conv inputs of the tree's nodes (HF's xBC, token-major).
         weight: (dim, width) depthwise taps, weight[:, -1] multiplies the node itself (HF: conv1d.weight[:, 0]).
         bias: (dim,) or None.
-        parents: (batch, T) integer, parents[b, i] < i, -1 = child of the prefix.
+        parents: (batch, T) integer, parents[b, i] < i, -1 = child of the prefix; or a utils.TreeIndex of it.
         conv_state: (batch, dim, L) with L >= width - 1, the last L inputs before the tree, newest last.
         activation: "silu" (= "swish") or None / "identity".
         backend: "auto" | "triton" | "torch".
     Returns:
         (batch, T, dim) in x's dtype.
     """
-    parents = _check_conv_inputs(x, parents, conv_state)
+    index = _check_conv_inputs(x, parents, conv_state)
     dim = x.shape[2]
     check_shape("weight", weight, (dim, None))
     check_float("weight", weight)
@@ -52,8 +52,8 @@ def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", back
     silu = activation in ("silu", "swish")
     if resolve_backend(backend, x) == "triton":
         from . import tree_conv_triton
-        return tree_conv_triton.tree_conv1d(x, weight, bias, parents, conv_state, silu)
-    return tree_conv_torch.tree_conv1d(x, weight, bias, parents, conv_state, silu)
+        return tree_conv_triton.tree_conv1d(x, weight, bias, index.parents, conv_state, silu)
+    return tree_conv_torch.tree_conv1d(x, weight, bias, index, conv_state, silu)
 
 
 def tree_conv_state(x, parents, nodes, conv_state, *, backend="auto"):
@@ -66,9 +66,9 @@ def tree_conv_state(x, parents, nodes, conv_state, *, backend="auto"):
     Returns:
         new conv state, same shape and dtype as conv_state (a new tensor; conv_state is not modified).
     """
-    parents = _check_conv_inputs(x, parents, conv_state)
+    index = _check_conv_inputs(x, parents, conv_state)
     nodes = check_nodes(nodes, x.shape[0], x.shape[1], x.device)
     if resolve_backend(backend, x) == "triton":
         from . import tree_conv_triton
-        return tree_conv_triton.tree_conv_state(x, parents, nodes, conv_state)
-    return tree_conv_torch.tree_conv_state(x, parents, nodes, conv_state)
+        return tree_conv_triton.tree_conv_state(x, index.parents, nodes, conv_state)
+    return tree_conv_torch.tree_conv_state(x, index.parents, nodes, conv_state)

@@ -10,7 +10,7 @@ of any size is exact: no state is passed between chunks, hence no chunk boundary
 The cost is O(T^2) per head, which is small for the trees used in decoding and search.
 """
 from . import tree_scan_torch
-from .utils import (check_float, check_nodes, check_parents, check_shape, compute_dtype, resolve_backend)
+from .utils import check_float, check_nodes, check_shape, compute_dtype, resolve_backend, tree_index
 
 
 def _check_scan_inputs(x, dt, A, B, parents, C=None, D=None, dt_bias=None, initial_states=None):
@@ -43,7 +43,7 @@ def _check_scan_inputs(x, dt, A, B, parents, C=None, D=None, dt_bias=None, initi
                     ("initial_states", initial_states)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    return check_parents(parents, batch, T, x.device)
+    return tree_index(parents, batch, T, x.device)
 
 
 def _check_dt_limit(dt_limit):
@@ -60,7 +60,8 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
         dt: (batch, T, nheads) raw time steps (before dt_bias / softplus / clamp).
         A: (nheads,) negative decay rates (A = -exp(A_log)).
         B, C: (batch, T, ngroups, dstate); head h uses group h // (nheads // ngroups).
-        parents: (batch, T) integer, parents[b, i] < i, -1 = child of the initial state.
+        parents: (batch, T) integer, parents[b, i] < i, -1 = child of the initial state; or a TreeIndex of
+            it (utils.TreeIndex, built once and reused across layers).
         D: (nheads,) or (nheads, headdim) skip connection, or None.
         dt_bias: (nheads,) or None. dt_softplus: apply softplus after the bias.
         dt_limit: (min, max) clamp of the processed dt.
@@ -70,9 +71,9 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
     Returns:
         y: (batch, T, nheads, headdim) in x's dtype (accumulated in fp32, or fp64 for fp64 inputs).
     """
-    parents = _check_scan_inputs(x, dt, A, B, parents, C=C, D=D, dt_bias=dt_bias, initial_states=initial_states)
+    index = _check_scan_inputs(x, dt, A, B, parents, C=C, D=D, dt_bias=dt_bias, initial_states=initial_states)
     _check_dt_limit(dt_limit)
-    args = (x, dt, A, B, C, parents)
+    args = (x, dt, A, B, C, index)
     kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states)
     if resolve_backend(backend, x) == "triton":
         from . import tree_scan_triton
@@ -90,11 +91,11 @@ def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
         states: (batch, nheads, headdim, dstate) in initial_states' dtype, or the compute dtype (fp32;
         fp64 for fp64 inputs) when initial_states is None.
     """
-    parents = _check_scan_inputs(x, dt, A, B, parents, dt_bias=dt_bias, initial_states=initial_states)
+    index = _check_scan_inputs(x, dt, A, B, parents, dt_bias=dt_bias, initial_states=initial_states)
     _check_dt_limit(dt_limit)
     nodes = check_nodes(nodes, x.shape[0], x.shape[1], x.device)
     out_dtype = initial_states.dtype if initial_states is not None else compute_dtype(x)
-    args = (x, dt, A, B, parents, nodes)
+    args = (x, dt, A, B, index, nodes)
     kwargs = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states)
     if resolve_backend(backend, x) == "triton":
         from . import tree_scan_triton

@@ -12,13 +12,13 @@ def _heads(t, nheads):
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
 
 
-def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=False,
+def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
               dt_limit=(0.0, float("inf")), initial_states=None):
-    """See tree_scan.tree_scan. Returns y (batch, T, nheads, headdim) in x.dtype."""
+    """See tree_scan.tree_scan (index: a utils.TreeIndex). Returns y (batch, T, nheads, headdim) in x.dtype."""
     cd = compute_dtype(x)
     batch, T, nheads, _ = x.shape
     ngroups = B.shape[2]
-    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
+    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     xf, Cf = x.to(cd), C.to(cd)
     # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
     # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
@@ -39,7 +39,7 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
     return y.to(x.dtype)
 
 
-def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
+def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
                 dt_limit=(0.0, float("inf")), initial_states=None):
     """See tree_scan.tree_states. Returns states (batch, nheads, headdim, dstate) in the compute dtype."""
     cd = compute_dtype(x)
@@ -48,7 +48,7 @@ def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
         if initial_states is not None:
             return initial_states.to(cd)
         return torch.zeros(batch, nheads, headdim, B.shape[-1], dtype=cd, device=x.device)
-    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, cd)
+    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     rows = torch.arange(batch, device=x.device)
     accepted = nodes >= 0
     node = nodes.clamp(min=0)

@@ -117,13 +117,13 @@ def _tree_states_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, mask_ptr, nodes_ptr, h0_ptr
              mask=in_p[:, None] & in_n[None, :])
 
 
-def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=False,
+def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
               dt_limit=(0.0, float("inf")), initial_states=None):
     """See tree_scan.tree_scan (inputs already validated)."""
     batch, T, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2:]
     _check_dstate(dstate)
-    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, torch.float32)
+    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, torch.float32)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return y
@@ -141,13 +141,13 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
     return y
 
 
-def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
+def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
                 dt_limit=(0.0, float("inf")), initial_states=None):
     """See tree_scan.tree_states (inputs already validated). Returns fp32 states."""
     batch, T, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2:]
     _check_dstate(dstate)
-    dt, mask, s = tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, torch.float32)
+    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, torch.float32)
     out = torch.empty(batch, nheads, headdim, dstate, device=x.device, dtype=torch.float32)
     if T == 0:
         return out.zero_() if initial_states is None else out.copy_(initial_states)

@@ -109,6 +109,76 @@ def ancestor_mask(parents):
     return ancestor_matrix(parents) > 0.5
 
 
+def window_index(parents, nodes, length, state_len):
+    """Where each conv window element lives in cat(conv_state, x) along time (state_len + T columns).
+
+    parents (batch, T); nodes (batch, Q) node ids, -1 = a window made only of state columns.
+    Returns (batch, Q, length) int64: column `length - 1` is the node itself, then its parent, ...;
+    a path that leaves the tree continues at state column state_len - 1, state_len - 2, ...
+    """
+    cur = nodes
+    col = torch.full_like(nodes, state_len)
+    cols = []
+    for _ in range(length):
+        inside = cur >= 0
+        col = torch.where(inside, col, col - 1)
+        cols.append(torch.where(inside, state_len + cur, col))
+        cur = torch.where(inside, parents.gather(1, cur.clamp(min=0)), -1)
+    return torch.stack(cols[::-1], dim=-1)
+
+
+class TreeIndex:
+    """A validated batch of trees and what the kernels derive from it, computed once and shared by every layer.
+
+    Every kernel taking `parents` also takes a TreeIndex in its place, so a model's layers (and its commit)
+    validate the tree and solve its ancestor relation once per forward pass instead of once per call.
+
+        parents:   (batch, T) int64, checked topological (-1 = child of the prefix)
+        ancestors: (batch, T, T) float32 0/1 ancestor-or-self matrix (ancestor_matrix)
+        mask:      (batch, T, T) bool, ancestors > 0
+    """
+
+    def __init__(self, parents):
+        if not isinstance(parents, torch.Tensor) or parents.dim() != 2:
+            raise ValueError(f"parents must be a (batch, T) tensor, got {getattr(parents, 'shape', parents)!r}")
+        self.parents = check_parents(parents, *parents.shape, parents.device)
+        self.ancestors = ancestor_matrix(self.parents)
+        self.mask = self.ancestors > 0.5
+        self._windows = {}
+
+    @property
+    def shape(self):
+        return self.parents.shape
+
+    def ancestor_matrix(self, dtype):
+        return self.ancestors if dtype == torch.float32 else self.ancestors.to(dtype)
+
+    def windows(self, length, state_len):
+        """window_index of every node, (batch, T, length), computed once per (length, state_len)."""
+        key = (length, state_len)
+        if key not in self._windows:
+            batch, T = self.parents.shape
+            nodes = torch.arange(T, device=self.parents.device).expand(batch, T)
+            self._windows[key] = window_index(self.parents, nodes, length, state_len)
+        return self._windows[key]
+
+
+def tree_index(parents, batch, T, device):
+    """A TreeIndex for a kernel call: the given one after checking it fits (batch, T) and `device`, or a new one
+    built (and validated) from a parents tensor."""
+    if not isinstance(parents, TreeIndex):
+        check_shape("parents", parents, (batch, T))
+        if parents.device != device:
+            raise ValueError(f"parents is on {parents.device} but the inputs are on {device}")
+        return TreeIndex(parents)
+    if tuple(parents.shape) != (batch, T):
+        raise ValueError(f"the TreeIndex is for trees of shape {tuple(parents.shape)}, the inputs have "
+                         f"({batch}, {T})")
+    if parents.parents.device != device:
+        raise ValueError(f"the TreeIndex is on {parents.parents.device} but the inputs are on {device}")
+    return parents
+
+
 def process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
     """dt (batch, T, nheads) -> clamp(softplus(dt + dt_bias), *dt_limit) in `dtype`."""
     dt = dt.to(dtype)
@@ -122,13 +192,12 @@ def process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
     return dt
 
 
-def tree_decay(dt, A, parents, dt_bias, dt_softplus, dt_limit, dtype):
+def tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, dtype):
     """Processed dt, ancestor mask and path decay s shared by both scan backends.
 
-    dt (batch, T, nheads) raw; A (nheads,); parents (batch, T).
+    dt (batch, T, nheads) raw; A (nheads,); index: the TreeIndex of the trees.
     Returns dt (batch, T, nheads) in `dtype`, mask (batch, T, T) bool, and s (batch, T, nheads) with
     s[b, i, h] = sum of dt[b, k, h] * A[h] over k on path(i): the tree's analogue of cumsum(dt * A).
     """
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
-    ancestors = ancestor_matrix(parents, dtype)
-    return dt, ancestors > 0.5, torch.matmul(ancestors, dt * A.to(dtype))
+    return dt, index.mask, torch.matmul(index.ancestor_matrix(dtype), dt * A.to(dtype))

@@ -35,12 +35,12 @@ class MixerTreeInputs:
                                  for f in fields(self)))
 
 
-def mixer_tree_forward(mixer, hidden_states, cache_layer, parents, previous=None):
+def mixer_tree_forward(mixer, hidden_states, cache_layer, tree, previous=None):
     """Run `mixer` over a tree's new nodes on top of its cached prefix state, without writing the cache.
 
     hidden_states (b, T_new, hidden) of the tree's last T_new nodes; previous: the MixerTreeInputs of the
     T_old = T - T_new nodes before them (None when T_old = 0); cache_layer holds conv_states[0] (b, conv_dim, K)
-    and recurrent_states[0] (b, nheads, headdim, dstate); parents (b, T) of the whole tree.
+    and recurrent_states[0] (b, nheads, headdim, dstate); tree: the TreeIndex of the whole tree (T nodes).
     Returns (output (b, T_new, hidden), MixerTreeInputs of all T nodes).
     """
     batch, T_new, _ = hidden_states.shape
@@ -57,7 +57,7 @@ def mixer_tree_forward(mixer, hidden_states, cache_layer, parents, previous=None
         xbc = torch.cat([previous.xbc, xbc], dim=1)
     # Old nodes' conv outputs and SSM outputs are recomputed and dropped: the O(T) and O(T^2) parts are cheap
     # next to the projections, which only the new nodes go through.
-    conv_out = tree_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, parents, cache_layer.conv_states[0],
+    conv_out = tree_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, tree, cache_layer.conv_states[0],
                            activation=mixer.activation)[:, T_old:]
     group_width = mixer.n_groups * mixer.ssm_state_size
     x, B, C = conv_out.split([mixer.intermediate_size, group_width, group_width], dim=-1)
@@ -66,7 +66,7 @@ def mixer_tree_forward(mixer, hidden_states, cache_layer, parents, previous=None
                           C.reshape(batch, T_new, mixer.n_groups, mixer.ssm_state_size))
     seen = new if previous is None else previous.extended(new)
     A = -torch.exp(mixer.A_log.float())
-    y = tree_scan(seen.x, seen.dt, A, seen.B, seen.C, parents, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True,
+    y = tree_scan(seen.x, seen.dt, A, seen.B, seen.C, tree, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True,
                   initial_states=cache_layer.recurrent_states[0])[:, T_old:]
     y = y.reshape(batch, T_new, mixer.intermediate_size)
     if falcon and not mixer.mamba_rms_norm:
@@ -76,13 +76,13 @@ def mixer_tree_forward(mixer, hidden_states, cache_layer, parents, previous=None
     return mixer.out_proj(y.to(dtype)), seen
 
 
-def commit_mixer(mixer, cache_layer, inputs, parents, nodes):
+def commit_mixer(mixer, cache_layer, inputs, tree, nodes):
     """Overwrite the layer's cached conv and SSM states, in place, with those after path(nodes[b])."""
     conv_state = cache_layer.conv_states[0]
     ssm_state = cache_layer.recurrent_states[0]
     A = -torch.exp(mixer.A_log.float())
-    new_ssm = tree_states(inputs.x, inputs.dt, A, inputs.B, parents, nodes, dt_bias=mixer.dt_bias,
+    new_ssm = tree_states(inputs.x, inputs.dt, A, inputs.B, tree, nodes, dt_bias=mixer.dt_bias,
                           dt_softplus=True, initial_states=ssm_state)
-    new_conv = tree_conv_state(inputs.xbc, parents, nodes, conv_state)
+    new_conv = tree_conv_state(inputs.xbc, tree, nodes, conv_state)
     ssm_state.copy_(new_ssm)
     conv_state.copy_(new_conv)

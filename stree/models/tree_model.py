@@ -11,8 +11,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from ..triton_kernels import ancestor_mask
-from ..triton_kernels.utils import check_parents
+from ..triton_kernels import TreeIndex
 from .mixer import commit_mixer, is_mamba_mixer, mixer_tree_forward
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
@@ -42,7 +41,7 @@ class TreeModel:
             raise ValueError(f"found no Mamba2 mixer in this {model_type} model")
         self.cache = None
         self.length = 0
-        self._tree = None  # (parents, ancestors, {layer_idx: MixerTreeInputs}) of the uncommitted tree
+        self._tree = None  # (TreeIndex, {layer_idx: MixerTreeInputs}) of the uncommitted tree
 
     def _forward(self, input_ids, **kwargs):
         return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs).logits
@@ -93,19 +92,21 @@ class TreeModel:
     def _grow(self, tokens, parents, logits_for):
         if tokens.shape != parents.shape or tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be (batch, T)")
-        old_parents, _, stash = self._tree or (parents[:, :0], None, {})
+        old, stash = self._tree or (None, {})
         batch, T_new = tokens.shape
-        if old_parents.shape[0] != batch:
-            raise ValueError(f"the tree has batch {old_parents.shape[0]}, the new nodes have batch {batch}")
-        T_old = old_parents.shape[1]
-        parents = check_parents(torch.cat([old_parents, parents.to(old_parents.device)], dim=1), batch,
-                                T_old + T_new, tokens.device)
-        ancestors = ancestor_mask(parents)
+        T_old = 0 if old is None else old.shape[1]
+        if old is not None and old.shape[0] != batch:
+            raise ValueError(f"the tree has batch {old.shape[0]}, the new nodes have batch {batch}")
+        if old is not None:
+            parents = torch.cat([old.parents, parents.to(old.parents.device)], dim=1)
+        tree = TreeIndex(parents)  # validated once; every layer's kernels reuse its ancestor relation
+        if tree.parents.device != tokens.device:
+            raise ValueError(f"parents is on {tree.parents.device} but tokens are on {tokens.device}")
         kwargs = {}
         if logits_for is not None:
             kwargs["logits_to_keep"] = torch.as_tensor(logits_for, device=tokens.device).long().reshape(-1)
         if self.uses_attention:
-            new_rows = ancestors[:, T_old:]                                          # (batch, T_new, T)
+            new_rows = tree.mask[:, T_old:]                                          # (batch, T_new, T)
             kwargs["position_ids"] = self.length + new_rows.sum(-1) - 1
             allowed = torch.cat([new_rows.new_ones(batch, T_new, self.length), new_rows], dim=-1)
             dtype = self.model.dtype
@@ -113,18 +114,18 @@ class TreeModel:
                                                    device=tokens.device).masked_fill(~allowed[:, None],
                                                                                      torch.finfo(dtype).min)
         stash = dict(stash)
-        with self._tree_mixers(parents, stash):
+        with self._tree_mixers(tree, stash):
             logits = self._forward(tokens, **kwargs)
-        self._tree = (parents, ancestors, stash)
+        self._tree = (tree, stash)
         return logits
 
     @contextmanager
-    def _tree_mixers(self, parents, stash):
+    def _tree_mixers(self, tree, stash):
         """Swap every mixer's forward for the tree pass; stash[layer] holds the tree's mixer inputs so far."""
         def tree_forward_of(mixer):
             def forward(hidden_states, *args, **kwargs):
                 layer = self.cache.layers[mixer.layer_idx]
-                out, stash[mixer.layer_idx] = mixer_tree_forward(mixer, hidden_states, layer, parents,
+                out, stash[mixer.layer_idx] = mixer_tree_forward(mixer, hidden_states, layer, tree,
                                                                  stash.get(mixer.layer_idx))
                 return out
             return forward
@@ -145,18 +146,18 @@ class TreeModel:
         """
         if self._tree is None:
             raise RuntimeError("no tree to commit: call tree_forward() first")
-        parents, ancestors, stash = self._tree
-        nodes = torch.as_tensor(nodes, device=parents.device).long().reshape(-1)
-        batch, T = parents.shape
+        tree, stash = self._tree
+        nodes = torch.as_tensor(nodes, device=tree.parents.device).long().reshape(-1)
+        batch, T = tree.shape
         if nodes.shape[0] != batch or bool(((nodes < -1) | (nodes >= T)).any()):
             raise ValueError(f"nodes must hold {batch} node ids in [-1, {T}), got {nodes.tolist()}")
-        on_path = ancestors[torch.arange(batch, device=nodes.device), nodes.clamp(min=0)] & (nodes >= 0)[:, None]
+        on_path = tree.mask[torch.arange(batch, device=nodes.device), nodes.clamp(min=0)] & (nodes >= 0)[:, None]
         counts = on_path.sum(-1)
         if bool((counts != counts[0]).any()):
             raise ValueError(f"accepted paths of different lengths across the batch ({counts.tolist()}) are not "
                              "supported")
         for mixer in self.mixers:
-            commit_mixer(mixer, self.cache.layers[mixer.layer_idx], stash[mixer.layer_idx], parents, nodes)
+            commit_mixer(mixer, self.cache.layers[mixer.layer_idx], stash[mixer.layer_idx], tree, nodes)
         path = on_path.nonzero()[:, 1].reshape(batch, -1)
         prefix = torch.arange(self.length, device=nodes.device).expand(batch, self.length)
         self._keep_kv(torch.cat([prefix, self.length + path], dim=1))
@@ -166,8 +167,8 @@ class TreeModel:
     def discard(self):
         """Forget the last tree: the cache holds the prefix alone again."""
         if self._tree is not None:
-            batch = self._tree[0].shape[0]
-            self._keep_kv(torch.arange(self.length, device=self._tree[0].device).expand(batch, self.length))
+            parents = self._tree[0].parents
+            self._keep_kv(torch.arange(self.length, device=parents.device).expand(parents.shape[0], self.length))
             self._tree = None
 
     def _keep_kv(self, keep):
