@@ -118,8 +118,8 @@ class RowBatch:
         kwargs = {}
         if self.has_kv:
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
-            blocked = torch.finfo(self.model.dtype).min
-            kwargs["attention_mask"] = torch.where(self.mask, 0.0, blocked).to(self.model.dtype)[:, None, None, :]
+            additive = torch.zeros(self.mask.shape, dtype=self.model.dtype, device=self.mask.device)
+            kwargs["attention_mask"] = additive.masked_fill(~self.mask, torch.finfo(self.model.dtype).min)[:, None, None]
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, position_ids=self.lengths[:, None],
                          output_hidden_states=True, **kwargs)
         self.lengths = self.lengths + 1

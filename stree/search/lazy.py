@@ -24,6 +24,10 @@ class VerificationQueue:
     def __len__(self):
         return len(self.waiting)
 
+    def items(self):
+        """The items waiting, in submission order."""
+        return [w[0] for w in self.waiting]
+
     def submit(self, item, steps):
         """Queue `item` (anything; returned with its score) whose trajectory's steps are `steps`."""
         self.waiting.append([item, steps, len(self.prompt) + sum(len(s) for s in steps), 0])

@@ -8,14 +8,15 @@ continuations each live trajectory gets next; the width shrinks as trajectories 
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .allocation import ets_select, rebase_allocation
-from .answers import aggregate_step_scores, weighted_majority_vote
+from .beam import batched_beam_search
 from .clusters import cluster_embeddings
 from .policy import Policy
+from .tree import SearchResult, Trajectory, TreeMemory, search_result, trajectory_scores  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -35,50 +36,44 @@ class SearchConfig:
     cluster_threshold: float = 0.3    # ETS: cosine distance cut of the step-embedding clusters
     aggregation: str = "last"         # trajectory score from step scores: last | min | prod
     seed: int = 0
+    # Beam search on the batched step decoder (stree.search.beam), each switch on its own:
+    batched: bool = False             # decode candidates as rows of one batch; needs strategy="beam"
+    speculative: bool = False         # expand a verified candidate without waiting for its level (SpecScale)
+    early_pruning: bool = False       # speculative: drop candidates that can no longer reach their level's top-k
+    dedup: bool = True                # siblings from one state share forward passes while their tokens agree
+    lazy_verification: bool = False   # speculative: queue verifier requests and score them in batches
+    verify_token_budget: int = 2048   # lazy verification: score once this many tokens wait...
+    verify_max_deferrals: int = 6     # ...or once a request has waited this many decode steps
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         if self.width < 1 or self.max_steps < 1:
             raise ValueError("width and max_steps must be >= 1")
+        if self.batched:
+            if self.strategy != "beam":
+                raise ValueError(f"batched=True runs beam search only: set strategy='beam' (got {self.strategy!r})")
+            if self.width % self.kept:
+                raise ValueError(f"batched beam search expands each of the k={self.kept} kept trajectories into "
+                                 f"width/k children: width ({self.width}) must be a multiple of k (set beam_width)")
+        else:
+            for name in ("speculative", "early_pruning", "lazy_verification"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True needs the batched beam search (batched=True, strategy='beam')")
+            if not self.dedup:
+                raise ValueError("dedup=False needs batched=True: the sequential policy always merges siblings")
+        if not self.speculative:
+            for name in ("early_pruning", "lazy_verification"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
+                                     "and verifies whole levels at once")
+        if self.verify_token_budget < 1 or self.verify_max_deferrals < 0:
+            raise ValueError(f"verify_token_budget must be >= 1 and verify_max_deferrals >= 0, got "
+                             f"{self.verify_token_budget} and {self.verify_max_deferrals}")
 
     @property
     def kept(self):
         return self.beam_width or max(1, round(math.sqrt(self.width)))
-
-
-@dataclass(eq=False)
-class Trajectory:
-    node: int                         # id in the search tree (the prompt is node 0)
-    parent: "Trajectory"
-    steps: list                       # token lists, one per step
-    step_scores: list
-    state: object                     # PolicyState after the last step
-    finished: bool = False
-    group: int = 0                    # DVTS subtree
-
-    @property
-    def tokens(self):
-        return [t for step in self.steps for t in step]
-
-    def lineage(self):
-        """This trajectory, then its parent, and so on up to the prompt."""
-        at = self
-        while at is not None:
-            yield at
-            at = at.parent
-
-    def ancestors(self):
-        """Search-tree node ids above this trajectory's node, nearest last."""
-        return [t.node for t in self.lineage()][1:][::-1]
-
-
-@dataclass
-class SearchResult:
-    answer: object
-    trajectories: list                # the finished ones, or the live ones when none finished
-    scores: list                      # their aggregated scores
-    stats: dict = field(default_factory=dict)
 
 
 def _shares(total, parts):
@@ -87,7 +82,7 @@ def _shares(total, parts):
 
 
 def _scores(trajectories, config):
-    return [aggregate_step_scores(t.step_scores, config.aggregation) for t in trajectories]
+    return trajectory_scores(trajectories, config.aggregation)
 
 
 def _best(trajectories, config, k):
@@ -142,40 +137,6 @@ class SearchContext:
         return torch.as_tensor(self.embedder(trajectory.tokens), dtype=torch.float32).flatten().cpu()
 
 
-class TreeMemory:
-    """What a search tree keeps alive, in bytes, if nodes share their prefixes (the ETS cost model).
-
-    A node keeps the attention K/V of its step's tokens (the prompt for the root); a leaf also keeps one SSM
-    snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork. Measured on the
-    policy's cache after the prompt.
-    """
-
-    def __init__(self, root_state):
-        kv, ssm = 0, 0
-        for layer in root_state.cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                kv += t.nbytes if isinstance(t, torch.Tensor) else 0
-            for name in ("conv_states", "recurrent_states"):
-                states = getattr(layer, name, None) or {}
-                ssm += sum(t.nbytes for t in states.values() if isinstance(t, torch.Tensor))
-        self.kv_per_token = kv / root_state.length
-        self.ssm_bytes = ssm
-        self.prompt_length = root_state.length
-
-    def node_bytes(self, trajectory):
-        tokens = len(trajectory.steps[-1]) if trajectory.steps else self.prompt_length
-        return self.kv_per_token * tokens
-
-    def leaf_bytes(self, trajectory):
-        return self.node_bytes(trajectory) + self.ssm_bytes
-
-    def tree_bytes(self, leaves):
-        """Bytes kept by the leaves and every node on their paths, each node once."""
-        nodes = {at.node: at for leaf in leaves for at in leaf.lineage()}
-        return len(leaves) * self.ssm_bytes + sum(self.node_bytes(at) for at in nodes.values())
-
-
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
     """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
     (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
@@ -183,12 +144,15 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     encode on the decoded text). Returns a SearchResult; stats count the tokens of the distinct steps
     drawn (siblings that drew the same step count once), verifier calls, steps, wall time, and peak_tree_bytes:
     the most bytes the tree held right after a step was generated (every live and finished trajectory with its
-    shared prefixes) under TreeMemory's model."""
+    shared prefixes) under TreeMemory's model. With config.batched, beam search runs on the batched step decoder,
+    synchronous or speculative (stree.search.beam.batched_beam_search, which documents its stats)."""
     policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
                     step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                     eos_token_ids=config.eos_token_ids)
     answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
     prompt = torch.as_tensor(prompt_ids).flatten().tolist()
+    if config.batched:
+        return batched_beam_search(policy, prompt, verifier, config, answer_fn)
     generator = torch.Generator().manual_seed(config.seed)
     start = time.perf_counter()
     root = Trajectory(node=0, parent=None, steps=[], step_scores=[], state=policy.prefill(prompt))
@@ -220,8 +184,4 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
         if not live or width <= 0 or step == config.max_steps - 1:
             break
         expansions = STRATEGIES[config.strategy](live, width, config, context)
-    final = finished or live
-    scores = _scores(final, config)
-    answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
-    stats["wall_time"] = time.perf_counter() - start
-    return SearchResult(answer, final, scores, stats)
+    return search_result(finished or live, config.aggregation, answer_fn, stats, start)

@@ -1,0 +1,89 @@
+"""What a search tree is made of: trajectories (search-tree nodes), the memory they keep alive, and the result."""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .answers import aggregate_step_scores, weighted_majority_vote
+
+
+@dataclass(eq=False)
+class Trajectory:
+    node: int                         # id in the search tree (the prompt is node 0)
+    parent: "Trajectory"
+    steps: list                       # token lists, one per step
+    step_scores: list
+    state: object                     # PolicyState after the last step
+    finished: bool = False
+    group: int = 0                    # DVTS subtree
+
+    @property
+    def tokens(self):
+        return [t for step in self.steps for t in step]
+
+    def lineage(self):
+        """This trajectory, then its parent, and so on up to the prompt."""
+        at = self
+        while at is not None:
+            yield at
+            at = at.parent
+
+    def ancestors(self):
+        """Search-tree node ids above this trajectory's node, nearest last."""
+        return [t.node for t in self.lineage()][1:][::-1]
+
+
+@dataclass
+class SearchResult:
+    answer: object
+    trajectories: list                # the finished ones, or the live ones when none finished
+    scores: list                      # their aggregated scores
+    stats: dict = field(default_factory=dict)
+
+
+class TreeMemory:
+    """What a search tree keeps alive, in bytes, if nodes share their prefixes (the ETS cost model).
+
+    A node keeps the attention K/V of its step's tokens (the prompt for the root); a leaf also keeps one SSM
+    snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork. Measured on the
+    policy's cache after the prompt.
+    """
+
+    def __init__(self, root_state):
+        kv, ssm = 0, 0
+        for layer in root_state.cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                kv += t.nbytes if isinstance(t, torch.Tensor) else 0
+            for name in ("conv_states", "recurrent_states"):
+                states = getattr(layer, name, None) or {}
+                ssm += sum(t.nbytes for t in states.values() if isinstance(t, torch.Tensor))
+        self.kv_per_token = kv / root_state.length
+        self.ssm_bytes = ssm
+        self.prompt_length = root_state.length
+
+    def node_bytes(self, trajectory):
+        tokens = len(trajectory.steps[-1]) if trajectory.steps else self.prompt_length
+        return self.kv_per_token * tokens
+
+    def leaf_bytes(self, trajectory):
+        return self.node_bytes(trajectory) + self.ssm_bytes
+
+    def tree_bytes(self, leaves):
+        """Bytes kept by the leaves and every node on their paths, each node once."""
+        nodes = {at.node: at for leaf in leaves for at in leaf.lineage()}
+        return len(leaves) * self.ssm_bytes + sum(self.node_bytes(at) for at in nodes.values())
+
+
+def trajectory_scores(trajectories, aggregation):
+    """Each trajectory's score from its step scores (answers.aggregate_step_scores)."""
+    return [aggregate_step_scores(t.step_scores, aggregation) for t in trajectories]
+
+
+def search_result(final, aggregation, answer_fn, stats, start):
+    """The SearchResult of the trajectories `final`: their scores, the weighted majority answer, and stats with
+    wall_time measured from `start` (time.perf_counter())."""
+    scores = trajectory_scores(final, aggregation)
+    answer = weighted_majority_vote([answer_fn(t.tokens) for t in final], scores)
+    stats["wall_time"] = time.perf_counter() - start
+    return SearchResult(answer, final, scores, stats)

@@ -1,0 +1,228 @@
+import itertools
+
+import pytest
+import torch
+
+from stree.models import tiny_model
+from stree.search import PRMVerifier, RowBatch, SearchConfig, VerificationQueue, score_batch, tree_search
+from stree.search.beam import BeamRun
+from stree.search.policy import Policy
+
+
+def hashed(prompt, steps):
+    """A scripted verifier: a fixed pseudo-random score in [0, 1) per trajectory."""
+    return hash(tuple(map(tuple, steps))) % 997 / 997
+
+
+def salted(salt):
+    """Another scripted verifier per salt."""
+    def verifier(prompt, steps):
+        return hash((salt,) + tuple(map(tuple, steps))) % 997 / 997
+    return verifier
+
+
+class BatchedHashed:
+    """The same scores, offered in batches; records the batch sizes."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def __call__(self, prompt, steps):
+        return hashed(prompt, steps)
+
+    def batch(self, prompt, steps_list):
+        self.sizes.append(len(steps_list))
+        return [hashed(prompt, steps) for steps in steps_list]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and OpenMP threads can stall for seconds per call when the
+    two cores are shared with another job."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def policy_model():
+    return tiny_model("bamba", dtype=torch.float64, vocab_size=16, seed=3)
+
+
+def beam_config(**switches):
+    """Steps end at 4, 5 or 6 or after 5 tokens, so candidates of one level finish at different times."""
+    return SearchConfig(**{**dict(strategy="beam", width=6, beam_width=2, max_steps=4, step_delimiter_ids=(4, 5, 6),
+                                  step_max_tokens=5, eos_token_ids=(0,), batched=True), **switches})
+
+
+def run_beam(model, config, verifier=hashed, prompt=(1, 2, 3)):
+    policy = Policy(model, step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
+                    eos_token_ids=config.eos_token_ids)
+    run = BeamRun(policy, list(prompt), verifier, config)
+    completed = run.run()
+    survivors = {(tuple(map(tuple, t.steps)), t.step_scores[-1] if t.steps else None) for t in run.survivors}
+    return run, completed, survivors
+
+
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_batched_rows_equal_the_batch1_policy(family):
+    model = tiny_model(family, dtype=torch.float32, seed=1)
+    policy = Policy(model)
+    root = policy.prefill([3, 1, 4, 1, 5])
+    batch = RowBatch(model, root)
+    batch.add([RowBatch.snapshot(root)])
+    sequences = [[]]
+
+    def feed(tokens):
+        batch.advance(tokens)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+
+    def keep(index):
+        nonlocal sequences
+        batch.select(torch.tensor(index))
+        sequences = [list(sequences[i]) for i in index]
+
+    def check():
+        for i, sequence in enumerate(sequences):
+            torch.testing.assert_close(batch.logits[i], policy.extend(root, sequence).logits, atol=1e-5, rtol=1e-5)
+            assert batch.row(i).length == 5 + len(sequence)
+
+    feed([2])
+    keep([0, 0, 0])                              # fork one row into three
+    feed([1, 2, 3])
+    parked = batch.row(1)                        # a snapshot that re-enters later, shorter than the batch
+    for step in range(12):                       # rows 0-2 grow long
+        feed([(7 * step + i) % 10 + 1 for i in range(len(batch))])
+        if step == 8:
+            batch.add([RowBatch.snapshot(root)])  # a fresh row of a different length
+            sequences.append([])
+    keep([3, 1])
+    batch.add([parked])
+    sequences.append([2, 2])
+    feed([4, 5, 6])
+    assert sorted(len(s) for s in sequences) == [3, 4, 15]
+    if family == "bamba":
+        assert not batch.mask.all()              # rows with holes in their K/V columns
+    check()
+    width = batch.mask.shape[1]
+    keep([0, 2, 2])                              # drop the long row: the K/V get re-packed
+    if family == "bamba":
+        assert batch.mask.shape[1] == 5 + 4 < width
+    feed([7, 8, 9])
+    feed([1, 1, 2])
+    check()
+
+
+SWITCHES = [dict(speculative=s, early_pruning=e, dedup=d, lazy_verification=lv, verify_token_budget=24)
+            for s, e, d, lv in itertools.product([False, True], repeat=4) if s or not (e or lv)]
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=lambda s: "-".join(k for k, v in s.items() if v is True) or "sync")
+def test_every_switch_combination_selects_what_synchronous_beam_selects(policy_model, switches):
+    _, reference, chosen = run_beam(policy_model, beam_config(dedup=False, seed=4))
+    run, completed, survivors = run_beam(policy_model, beam_config(seed=4, **switches))
+    assert survivors == chosen                   # the same top-k at every level (scores < 1, so no perfect stop)
+    assert sorted(t.tokens for t in completed) == sorted(t.tokens for t in reference)
+    assert 1 <= len(completed) and run.stats["steps"] <= 4
+    result = tree_search(policy_model, [1, 2, 3], hashed, beam_config(seed=4, **switches))
+    assert sorted(result.scores) == sorted(t.step_scores[-1] for t in completed)
+
+
+# cases where a rule that also counted candidates of not-yet-decided parents would drop a final top-k candidate
+@pytest.mark.parametrize("salt, seed, k", [(0, 5, 2), (1, 0, 2), (2, 0, 2), (9, 5, 2), (0, 0, 3), (0, 3, 3),
+                                           (1, 3, 3), (4, 3, 3)])
+def test_early_pruning_never_drops_a_final_top_k_candidate(policy_model, salt, seed, k):
+    config = dict(speculative=True, seed=seed, max_steps=5, width=3 * k, beam_width=k)
+    naive, _, chosen = run_beam(policy_model, beam_config(**config), salted(salt))
+    pruning, _, survivors = run_beam(policy_model, beam_config(early_pruning=True, **config), salted(salt))
+    assert survivors == chosen
+    assert pruning.stats["step_tokens"] <= naive.stats["step_tokens"]
+    assert pruning.stats["pruned"] >= naive.stats["pruned"]
+
+
+def test_early_pruning_saves_work(policy_model):
+    def tokens(**switches):
+        return sum(run_beam(policy_model, beam_config(speculative=True, seed=s, max_steps=5, **switches))[0]
+                   .stats["step_tokens"] for s in range(4))
+    assert tokens(early_pruning=True) < tokens()
+
+
+def test_perfect_scores_close_a_level_early(policy_model):
+    def perfect(prompt, steps):
+        return 1.0
+    naive, _, _ = run_beam(policy_model, beam_config(speculative=True, seed=2), perfect)
+    pruning, completed, _ = run_beam(policy_model, beam_config(speculative=True, early_pruning=True, seed=2), perfect)
+    assert pruning.queue.calls < naive.queue.calls and pruning.stats["step_tokens"] < naive.stats["step_tokens"]
+    assert completed and all(t.step_scores == [1.0] * len(t.steps) for t in completed)
+
+
+def test_lazy_verification_batches_requests_and_keeps_scores(policy_model):
+    eager_verifier, lazy_verifier = BatchedHashed(), BatchedHashed()
+    eager, _, chosen = run_beam(policy_model, beam_config(speculative=True, seed=5), eager_verifier)
+    lazy, _, survivors = run_beam(policy_model, beam_config(speculative=True, lazy_verification=True, seed=5,
+                                                            verify_token_budget=10 ** 6, verify_max_deferrals=3),
+                                  lazy_verifier)
+    assert survivors == chosen
+    assert lazy.queue.batches < eager.queue.batches and max(lazy_verifier.sizes) > max(eager_verifier.sizes)
+
+
+def test_verification_queue_flushes_on_tokens_deferrals_or_idle():
+    seen = []
+
+    def verifier(prompt, steps):
+        seen.append(len(steps))
+        return 0.5
+
+    queue = VerificationQueue(verifier, [1, 2], flush_tokens=6, max_deferrals=2)
+    queue.submit("a", [[3]])                     # 3 tokens
+    assert not queue.due(idle=False) and queue.due(idle=True)
+    queue.defer()
+    queue.defer()
+    assert queue.due(idle=False)                 # waited max_deferrals decode steps
+    queue.submit("b", [[3], [4, 5]])             # 5 tokens: 8 in all, two verifier batches of <= 6
+    queue.drop(lambda item: item == "nothing")
+    assert queue.flush() == [("a", 0.5), ("b", 0.5)] and queue.calls == 2 and queue.batches == 2
+    queue.submit("c", [[3], [4]])
+    queue.submit("d", [[3], [4]])
+    queue.drop(lambda item: item == "c")
+    assert queue.items() == ["d"] and queue.due(idle=False) is False
+    queue.submit("e", [[9]])
+    assert queue.due(idle=False)                 # 4 + 3 tokens >= 6
+    with pytest.raises(ValueError, match="flush_tokens"):
+        VerificationQueue(verifier, [1], flush_tokens=0)
+
+
+def test_prm_batch_equals_single_calls():
+    prm = PRMVerifier(tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=8), step_tag_id=15,
+                      good_token_id=13, bad_token_id=14)
+    trajectories = [[[3, 4]], [[3, 4], [5]], [[7, 8, 9, 10], [11], [12, 2]]]
+    scores = score_batch(prm, [1, 2], trajectories)
+    assert scores == pytest.approx([prm([1, 2], steps) for steps in trajectories], abs=1e-9)
+    assert score_batch(hashed, [1], trajectories) == [hashed([1], steps) for steps in trajectories]
+
+
+def test_pure_ssm_policy_runs_speculative_beam():
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=2)
+    config = beam_config(speculative=True, early_pruning=True, lazy_verification=True, seed=1)
+    result = tree_search(model, [1, 2, 3], hashed, config, answer_fn=lambda tokens: tokens[-1] % 3)
+    assert result.answer in (0, 1, 2) and 1 <= len(result.trajectories) <= 2 * 4
+    assert result.stats["forwards"] >= result.stats["steps"] and result.stats["peak_tree_bytes"] > 0
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="strategy='beam'"):
+        SearchConfig(strategy="rebase", batched=True)
+    with pytest.raises(ValueError, match="multiple of k"):
+        SearchConfig(strategy="beam", width=8, batched=True)
+    with pytest.raises(ValueError, match="batched=True"):
+        SearchConfig(strategy="beam", speculative=True)
+    with pytest.raises(ValueError, match="speculative=True"):
+        SearchConfig(strategy="beam", width=9, batched=True, early_pruning=True)
+    with pytest.raises(ValueError, match="speculative=True"):
+        SearchConfig(strategy="beam", width=9, batched=True, lazy_verification=True)
+    with pytest.raises(ValueError, match="dedup"):
+        SearchConfig(strategy="beam", dedup=False)
+    with pytest.raises(ValueError, match="verify_token_budget"):
+        SearchConfig(strategy="beam", width=9, batched=True, speculative=True, verify_token_budget=0)
