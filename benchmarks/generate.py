@@ -2,7 +2,7 @@
 
 Reports tokens/s, tau (tokens per target pass) and speedup over autoregressive for each method, checks that every
 method's output equals the autoregressive one, and times the target's one-pass tree forward over a 16-node tree
-against its own single-token decode step (STree's tree-overhead figure). Table on stdout, JSON in
+against its own single-token decode step for trees of 1 to 32 nodes (STree's tree-overhead figure, as a curve). Table on stdout, JSON in
 benchmarks/results/.
 
     python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 import stree  # noqa: E402
-from stree import BeamTree, DynamicTree, StaticTree, TokenTree  # noqa: E402
+from stree import BeamTree, DynamicTree, StaticTree, random_parents  # noqa: E402
 from stree.demo import demo_pair, held_out_prompts  # noqa: E402
 from stree.models import TreeModel, tiny_model  # noqa: E402
 
@@ -48,7 +48,9 @@ TREES = {
     "static-2211": StaticTree((2, 2, 1, 1)),
     "static-3221": StaticTree((3, 2, 2, 1)),
     "static-4321": StaticTree((4, 3, 2, 1)),
+    "dynamic-4": DynamicTree(budget=4, depth=4, top_k=2, frontier=1),
     "dynamic-8": DynamicTree(budget=8, depth=5, top_k=2, frontier=2),
+    "dynamic-12": DynamicTree(budget=12, depth=5, top_k=3, frontier=2),
     "dynamic-16": DynamicTree(budget=16, depth=6, top_k=3, frontier=3),
     "dynamic-32": DynamicTree(budget=32, depth=7, top_k=4, frontier=4),
     "beam-2x4": BeamTree(beams=2, steps=4),
@@ -75,33 +77,40 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
-def tree_overhead(model, device, prompt_len=64, reps=20):
-    """Median time of one 16-node tree pass / one HF single-token decode step, on the same cached prefix."""
+def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20):
+    """Median time of one tree pass of each size in `sizes` over one HF single-token decode step, on the same cached
+    prefix (random trees with at most 4 children per node). Returns {"decode_step_ms": ..., "trees": [{"nodes",
+    "ms", "ratio"}]}: the curve that decides how large a tree pays off on this device."""
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
-    tree = TokenTree.from_branching((4, 3))  # 4 + 12 = 16 nodes
-    tokens = torch.randint(0, model.config.vocab_size, (1, len(tree)), device=device)
-    parents = tree.parents[None].to(device)
     tm = TreeModel(model)
     tm.prefill(prompt)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(prompt, cache=cache, use_cache=True, position_ids=torch.arange(prompt_len, device=device)[None])
-    step_token = tokens[:, :1]
+    step_token = prompt[:, :1]
     position = torch.tensor([[prompt_len]], device=device)
-    tree_times, step_times = [], []
+    step_times = []
     for _ in range(reps):
-        _, t = timed(lambda: tm.tree_forward(tokens, parents), device)
-        tm.discard()
-        tree_times.append(t)
         with torch.no_grad():
-            # HF's decode step on a copy-free cache: feed one token, then drop it from attention caches
             _, t = timed(lambda: model(step_token, cache=cache, use_cache=True, position_ids=position), device)
-        for layer in cache.layers:
+        for layer in cache.layers:  # drop the fed token from attention caches: every step sees the same prefix
             if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[..., :prompt_len, :], layer.values[..., :prompt_len, :]
         step_times.append(t)
-    tree_ms, step_ms = 1e3 * sorted(tree_times)[reps // 2], 1e3 * sorted(step_times)[reps // 2]
-    return dict(tree16_ms=tree_ms, decode_step_ms=step_ms, ratio=tree_ms / step_ms)
+    step_ms = 1e3 * sorted(step_times)[reps // 2]
+    trees = []
+    for T in sizes:
+        g = torch.Generator().manual_seed(T)
+        parents = torch.tensor([random_parents(T, g, max_children=4)], device=device)
+        tokens = torch.randint(0, model.config.vocab_size, (1, T), generator=g).to(device)
+        times = []
+        for _ in range(reps):
+            _, t = timed(lambda: tm.tree_forward(tokens, parents), device)
+            tm.discard()
+            times.append(t)
+        ms = 1e3 * sorted(times)[reps // 2]
+        trees.append(dict(nodes=T, ms=ms, ratio=ms / step_ms))
+    return dict(decode_step_ms=step_ms, trees=trees)
 
 
 def run_methods(target, draft, prompts, args, temperature, device):
@@ -193,8 +202,11 @@ def main():
     result = dict(device=device.type, device_name=name, dtype=args.dtype, target=args.target,
                   target_params=n_target)
     overhead = tree_overhead(target, device)
-    print(f"tree forward, 16 nodes: {overhead['tree16_ms']:.2f} ms; HF single-token decode: "
-          f"{overhead['decode_step_ms']:.2f} ms; ratio {overhead['ratio']:.2f}x (STree: 2.04x at 2.7B)")
+    print(f"HF single-token decode step: {overhead['decode_step_ms']:.2f} ms. One tree pass over it "
+          "(STree: 2.04x at 16 nodes on a 2.7B model, GPU):")
+    print(f"{'nodes':>6} {'ms':>8} {'x step':>7}")
+    for row in overhead["trees"]:
+        print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>7.2f}")
     result["tree_overhead"] = overhead
     if not args.overhead_only:
         draft = load(args.draft, dtype, device)

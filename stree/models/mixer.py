@@ -76,13 +76,37 @@ def mixer_tree_forward(mixer, hidden_states, cache_layer, tree, previous=None):
     return mixer.out_proj(y.to(dtype)), seen
 
 
-def commit_mixer(mixer, cache_layer, inputs, tree, nodes):
-    """Overwrite the layer's cached conv and SSM states, in place, with those after path(nodes[b])."""
-    conv_state = cache_layer.conv_states[0]
-    ssm_state = cache_layer.recurrent_states[0]
-    A = -torch.exp(mixer.A_log.float())
-    new_ssm = tree_states(inputs.x, inputs.dt, A, inputs.B, tree, nodes, dt_bias=mixer.dt_bias,
-                          dt_softplus=True, initial_states=ssm_state)
-    new_conv = tree_conv_state(inputs.xbc, tree, nodes, conv_state)
-    ssm_state.copy_(new_ssm)
-    conv_state.copy_(new_conv)
+def commit_mixers(mixers, cache, stash, tree, nodes):
+    """Overwrite every mixer's cached conv and SSM states, in place, with those after path(nodes[b]).
+
+    cache: the HF cache (layers[m.layer_idx] holds conv_states[0] / recurrent_states[0]); stash: {layer_idx:
+    MixerTreeInputs} of the tree pass. Heads are independent in the SSM and channels in the depthwise conv, so
+    layers whose states have equal shapes are stacked along those axes: the model commits in one tree_states and
+    one tree_conv_state call per group of equal layers instead of two per layer.
+    """
+    groups = {}
+    for m in mixers:
+        layer = cache.layers[m.layer_idx]
+        conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+        key = (conv.shape, conv.dtype, ssm.shape, ssm.dtype, stash[m.layer_idx].B.shape[2])
+        groups.setdefault(key, []).append((m, layer, stash[m.layer_idx]))
+    for group in groups.values():
+        _commit_group(*zip(*group), tree, nodes)
+
+
+def _commit_group(mixers, cache_layers, inputs, tree, nodes):
+    def stacked(tensors, dim):
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+    ssm_states = [layer.recurrent_states[0] for layer in cache_layers]
+    conv_states = [layer.conv_states[0] for layer in cache_layers]
+    A = stacked([-torch.exp(m.A_log.float()) for m in mixers], 0)
+    new_ssm = tree_states(stacked([i.x for i in inputs], 2), stacked([i.dt for i in inputs], 2), A,
+                          stacked([i.B for i in inputs], 2), tree, nodes,
+                          dt_bias=stacked([m.dt_bias for m in mixers], 0), dt_softplus=True,
+                          initial_states=stacked(ssm_states, 1))
+    new_conv = tree_conv_state(stacked([i.xbc for i in inputs], 2), tree, nodes, stacked(conv_states, 1))
+    for state, new in zip(ssm_states, new_ssm.split(ssm_states[0].shape[1], dim=1)):
+        state.copy_(new)
+    for state, new in zip(conv_states, new_conv.split(conv_states[0].shape[1], dim=1)):
+        state.copy_(new)

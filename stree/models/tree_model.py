@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from ..triton_kernels import TreeIndex
-from .mixer import commit_mixer, is_mamba_mixer, mixer_tree_forward
+from .mixer import commit_mixers, is_mamba_mixer, mixer_tree_forward
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -156,8 +156,7 @@ class TreeModel:
         if bool((counts != counts[0]).any()):
             raise ValueError(f"accepted paths of different lengths across the batch ({counts.tolist()}) are not "
                              "supported")
-        for mixer in self.mixers:
-            commit_mixer(mixer, self.cache.layers[mixer.layer_idx], stash[mixer.layer_idx], tree, nodes)
+        commit_mixers(self.mixers, self.cache, stash, tree, nodes)
         path = on_path.nonzero()[:, 1].reshape(batch, -1)
         prefix = torch.arange(self.length, device=nodes.device).expand(batch, self.length)
         self._keep_kv(torch.cat([prefix, self.length + path], dim=1))
