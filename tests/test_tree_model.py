@@ -142,6 +142,8 @@ def test_tree_model_usage_errors():
     tm.tree_forward(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]]))
     with pytest.raises(RuntimeError, match="not committed"):
         tm.tree_forward(torch.tensor([[1]]), torch.tensor([[-1]]))
+    with pytest.raises(ValueError, match="logits_for"):
+        tm.extend(torch.tensor([[3]]), torch.tensor([[1]]), logits_for=[1])
     with pytest.raises(ValueError, match="topological"):  # new node 2 may not point at itself
         tm.extend(torch.tensor([[3]]), torch.tensor([[2]]))
     with pytest.raises(ValueError, match="node ids"):

@@ -94,17 +94,20 @@ class TreeModel:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be (batch, T)")
         old, stash = self._tree or (None, {})
         batch, T_new = tokens.shape
-        T_old = 0 if old is None else old.shape[1]
-        if old is not None and old.shape[0] != batch:
-            raise ValueError(f"the tree has batch {old.shape[0]}, the new nodes have batch {batch}")
         if old is not None:
+            if old.shape[0] != batch:
+                raise ValueError(f"the tree has batch {old.shape[0]}, the new nodes have batch {batch}")
             parents = torch.cat([old.parents, parents.to(old.parents.device)], dim=1)
+        T_old = parents.shape[1] - T_new
         tree = TreeIndex(parents)  # validated once; every layer's kernels reuse its ancestor relation
         if tree.parents.device != tokens.device:
             raise ValueError(f"parents is on {tree.parents.device} but tokens are on {tokens.device}")
         kwargs = {}
         if logits_for is not None:
-            kwargs["logits_to_keep"] = torch.as_tensor(logits_for, device=tokens.device).long().reshape(-1)
+            keep = torch.as_tensor(logits_for, device=tokens.device).long().reshape(-1)
+            if keep.numel() and not 0 <= int(keep.min()) <= int(keep.max()) < T_new:
+                raise ValueError(f"logits_for must hold positions in [0, {T_new}), got {keep.tolist()}")
+            kwargs["logits_to_keep"] = keep
         if self.uses_attention:
             new_rows = tree.mask[:, T_old:]                                          # (batch, T_new, T)
             kwargs["position_ids"] = self.length + new_rows.sum(-1) - 1
