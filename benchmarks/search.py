@@ -8,6 +8,12 @@ Table on stdout, JSON and a PNG (accuracy against peak memory) in benchmarks/res
 
     python benchmarks/search.py                       # 40 held-out two-operation problems, width 8
     python benchmarks/search.py --problems 10 --width 4
+    python benchmarks/search.py --strategies "sync beam" "spec beam (EP+CD+LV)" --temperature 1.5
+
+Beam search on the batched step decoder (the "sync beam" and "spec beam" rows, stree.search.beam) keeps k = 2 and
+expands each survivor into width/2 children; throughput is problems/s and decoded row-tokens/s (step tok: tokens the
+decoder fed, i.e. after dedup), verifier = requests scored per problem, passes = model forward passes per problem
+(batched: one per decode step; the sequential loop: one per step token).
 """
 import argparse
 import json
@@ -42,6 +48,15 @@ STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "ets (lb=1, ld=1)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0),
     "ets (lb=2, ld=1)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0),
 }
+BATCHED_BEAM = dict(strategy="beam", beam_width=2, batched=True)  # k = 2 kept, width/k children each
+STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.beam)
+    "sync beam": dict(BATCHED_BEAM, dedup=False),
+    "sync beam (CD)": dict(BATCHED_BEAM),
+    "spec beam (naive)": dict(BATCHED_BEAM, speculative=True, dedup=False),
+    "spec beam (EP)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, dedup=False),
+    "spec beam (EP+CD)": dict(BATCHED_BEAM, speculative=True, early_pruning=True),
+    "spec beam (EP+CD+LV)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, lazy_verification=True),
+})
 
 
 def train_policy(tokenizer, steps, ops, seed=0):
@@ -58,8 +73,8 @@ def train_policy(tokenizer, steps, ops, seed=0):
     policy.to(torch.float16).save_pretrained(POLICY_DIR, safe_serialization=True)
 
 
-def run(policy, tokenizer, problems, name, overrides, width, seed):
-    correct, peaks, tokens, elapsed = 0, [], 0, 0.0
+def run(policy, tokenizer, problems, name, overrides, width, seed, temperature):
+    correct, peaks, tokens, elapsed, calls, passes = 0, [], 0, 0.0, 0, 0
     for i, problem in enumerate(problems):
         def verifier(prompt, steps, problem=problem):
             texts = [tokenizer.decode(s) for s in steps]
@@ -67,6 +82,7 @@ def run(policy, tokenizer, problems, name, overrides, width, seed):
 
         config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
                               eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=24, seed=seed + i,
+                              temperature=temperature,
                               **overrides)
         start = time.perf_counter()
         result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
@@ -75,8 +91,12 @@ def run(policy, tokenizer, problems, name, overrides, width, seed):
         correct += result.answer == problem.results()[-1]
         peaks.append(result.stats["peak_tree_bytes"])
         tokens += result.stats["step_tokens"]
+        calls += result.stats["verifier_calls"]
+        passes += result.stats.get("forwards", result.stats["step_tokens"])  # the sequential loop: a pass per token
     return dict(strategy=name, accuracy=correct / len(problems), peak_tree_kib=sum(peaks) / len(peaks) / 1024,
-                step_tokens=tokens / len(problems), seconds=elapsed / len(problems))
+                step_tokens=tokens / len(problems), seconds=elapsed / len(problems),
+                problems_per_s=len(problems) / elapsed, tokens_per_s=tokens / elapsed,
+                verifier_calls=calls / len(problems), forward_passes=passes / len(problems))
 
 
 def main():
@@ -88,8 +108,12 @@ def main():
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_RUNS), choices=list(STRATEGY_RUNS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokenizer = CharTokenizer()
     if args.retrain or not os.path.exists(os.path.join(POLICY_DIR, "model.safetensors")):
         train_policy(tokenizer, args.train_steps, args.ops, args.seed)
@@ -97,17 +121,22 @@ def main():
     problems = make_problems(args.problems, seed=args.seed, steps=args.ops)  # training problems use seeds 1000+
     print(f"device: cpu ({platform.processor() or 'cpu'}), torch {torch.__version__}, threads "
           f"{torch.get_num_threads()}; policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params "
-          f"(bamba, {policy.config.num_hidden_layers} layers); {args.problems} problems, width {args.width}")
-    rows = [run(policy, tokenizer, problems, name, STRATEGY_RUNS[name], args.width, args.seed)
+          f"(bamba, {policy.config.num_hidden_layers} layers); {args.problems} problems, width {args.width}, "
+          f"temperature {args.temperature}")
+    run(policy, tokenizer, problems[:1], args.strategies[0], STRATEGY_RUNS[args.strategies[0]], args.width,
+        args.seed, args.temperature)  # warm-up (lazy initialisation), untimed
+    rows = [run(policy, tokenizer, problems, name, STRATEGY_RUNS[name], args.width, args.seed, args.temperature)
             for name in args.strategies]
-    print(f"{'strategy':>18} {'accuracy':>9} {'peak KiB':>9} {'step tok':>9} {'s/problem':>10}")
+    print(f"{'strategy':>20} {'accuracy':>9} {'peak KiB':>9} {'step tok':>9} {'s/problem':>10} {'problems/s':>10} "
+          f"{'tok/s':>8} {'verifier':>9} {'passes':>7}")
     for r in rows:
-        print(f"{r['strategy']:>18} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
-              f"{r['seconds']:>10.2f}")
+        print(f"{r['strategy']:>20} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
+              f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
+              f"{r['forward_passes']:>7.1f}")
     out = os.path.join(HERE, "results", "search-cpu.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(problems=args.problems, width=args.width, rows=rows), f, indent=1)
+        json.dump(dict(problems=args.problems, width=args.width, temperature=args.temperature, rows=rows), f, indent=1)
     print(f"wrote {out}")
     try:
         import matplotlib

@@ -90,7 +90,7 @@ class BeamRun:
     # decoding
 
     def _expand(self, trajectories):
-        """Rows for the children of `trajectories`; with dedup, all children of one state share a row."""
+        """Rows for the children of `trajectories`; with dedup, the children of one trajectory share a row."""
         states, rows = [], []
         for t in trajectories:
             self.expanded.add(t)
@@ -212,12 +212,11 @@ class BeamRun:
         level.closed = True
         self.levels.setdefault(depth + 1, Level())
 
-    def _sure_against(self, other, t):
-        """Whether `other` is in t's level whenever t is: each ancestor of `other` off t's path survived a closed
-        level."""
-        mine = set(t.lineage())
+    def _sure(self, other, path):
+        """Whether `other` is in a level whenever a candidate with ancestors `path` (a set, nearest included) is:
+        each ancestor of `other` off that path survived a closed level."""
         for a in list(other.lineage())[1:]:
-            if a in mine:
+            if a in path:
                 return True
             if a not in self.survivors:
                 return False
@@ -230,15 +229,12 @@ class BeamRun:
                 continue
             if len(level.verified) > k:
                 self._prune([t for t in level.verified if k <= sum(self._rank(o) < self._rank(t)
-                                                                   and self._sure_against(o, t) for o in level.verified)])
+                                                                   and self._sure(o, set(t.lineage()))
+                                                                   for o in level.verified)])
             perfect = [o for o in level.verified if self.score[o] >= MAX_SCORE]
-            if len(perfect) >= k:
-                # k perfect candidates that are sure to be in the level: nothing unverified can beat them
-                def settled(parent, depth=depth, perfect=perfect):
-                    probe = Trajectory(-1, parent, parent.steps + [[]], [], None)
-                    return (len(parent.steps) + 1 == depth
-                            and sum(self._sure_against(o, probe) for o in perfect) >= k)
-                self._drop(settled)
+            if len(perfect) >= k:  # nothing still unverified in this level can beat k sure perfect candidates
+                self._drop(lambda parent, depth=depth, perfect=perfect: len(parent.steps) + 1 == depth and k <= sum(
+                    self._sure(o, set(parent.lineage())) for o in perfect))
 
 
 def batched_beam_search(policy, prompt, verifier, config, answer_fn):
