@@ -5,8 +5,9 @@ from .answers import aggregate_step_scores, weighted_majority_vote
 from .batched import RowBatch, RowState
 from .clusters import cluster_embeddings
 from .lazy import VerificationQueue
-from .loop import STRATEGIES, SearchConfig, SearchResult, Trajectory, tree_search
+from .loop import STRATEGIES, SearchConfig, tree_search
 from .policy import Policy, PolicyState, Step
+from .tree import SearchResult, Trajectory
 from .verifiers import PRMVerifier, score_batch
 
 __all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",

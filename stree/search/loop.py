@@ -16,7 +16,7 @@ from .allocation import ets_select, rebase_allocation
 from .beam import batched_beam_search
 from .clusters import cluster_embeddings
 from .policy import Policy
-from .tree import SearchResult, Trajectory, TreeMemory, search_result, trajectory_scores  # noqa: F401 (re-exported)
+from .tree import Trajectory, TreeMemory, search_result, trajectory_scores
 
 
 @dataclass
