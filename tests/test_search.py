@@ -40,6 +40,11 @@ def test_every_strategy_runs_end_to_end(policy_model, strategy):
     # nothing finishes, so every step spends the width; siblings that drew the same step are scored once
     assert all(1 <= calls.count(d) <= 9 for d in (1, 2, 3)) and result.stats["verifier_calls"] == len(calls)
     assert result.stats["steps"] == 3
+    # one search-tree node per distinct step of a parent: copies share its id, different steps never do
+    ids = {}
+    for t in result.trajectories:
+        ids.setdefault((t.parent.node, tuple(t.steps[-1])), set()).add(t.node)
+    assert all(len(v) == 1 for v in ids.values()) and len(set.union(*ids.values())) == len(ids)
     if strategy == "beam":
         assert all(len(depth_nodes(result.trajectories, d)) <= 3 for d in (1, 2))
     if strategy == "dvts":
@@ -68,6 +73,22 @@ def test_width_shrinks_as_trajectories_finish(policy_model):
     assert SearchConfig(strategy="ets").kept == 4
 
 
+@pytest.mark.parametrize("strategy", ["rebase", "ets", "beam"])
+def test_replayed_leaf_states_change_memory_not_results(policy_model, strategy):
+    """leaf_states="replay" rebuilds chosen leaves from their parents' snapshots: the same search (same draws, steps,
+    scores and answer, float64 policy) with fewer snapshots held."""
+    def run(leaf_states):
+        config = SearchConfig(strategy=strategy, width=8, max_steps=4, step_max_tokens=3, lambda_b=4.0, seed=4,
+                              leaf_states=leaf_states)
+        return tree_search(policy_model, [3, 1, 4], even_share, config, answer_fn=lambda tokens: tokens[-1] % 3)
+    keep, replay = run("keep"), run("replay")
+    assert [t.steps for t in keep.trajectories] == [t.steps for t in replay.trajectories]
+    assert keep.scores == replay.scores and keep.answer == replay.answer
+    assert replay.stats["peak_tree_bytes"] < keep.stats["peak_tree_bytes"]
+    with pytest.raises(ValueError, match="leaf_states"):
+        SearchConfig(leaf_states="drop")
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="strategy"):
         SearchConfig(strategy="mcts")
@@ -94,6 +115,13 @@ def test_tree_memory_counts_kv_per_token_and_one_ssm_snapshot_per_leaf(policy_mo
     b, c = Trajectory(2, a, [[5, 6], [7]], [0.5, 0.1], root_state), Trajectory(3, a, [[5, 6], [8, 9, 1]], [0.5, 0.2], root_state)
     kv = memory.kv_per_token
     assert memory.tree_bytes([b, c]) == pytest.approx(kv * (4 + 2 + 1 + 3) + 2 * memory.ssm_bytes)
+    # a finished leaf keeps no snapshot; copies of one node (same id) keep one; holders= names who keeps one
+    d = Trajectory(3, a, [[5, 6], [8, 9, 1]], [0.5, 0.2], root_state)
+    c.finished = True
+    assert memory.tree_bytes([b, c]) == pytest.approx(kv * (4 + 2 + 1 + 3) + 1 * memory.ssm_bytes)
+    c.finished = False
+    assert memory.tree_bytes([b, c, d]) == pytest.approx(kv * (4 + 2 + 1 + 3) + 2 * memory.ssm_bytes)
+    assert memory.tree_bytes([b, c, d], holders=[a]) == pytest.approx(kv * (4 + 2 + 1 + 3) + memory.ssm_bytes)
 
 
 def test_ets_keeps_less_memory_than_rebase(policy_model):

@@ -37,7 +37,7 @@ def test_merged_siblings_are_distributed_as_independent_samples():
     g = torch.Generator().manual_seed(0)
     counts = {}
     for _ in range(300):
-        steps = policy.sample_steps(root, 8, g)
+        steps = list(policy.sample_steps(root, 8, g))
         assert sum(s.count for s in steps) == 8
         for s in steps:
             counts[tuple(s.tokens)] = counts.get(tuple(s.tokens), 0) + s.count
@@ -48,7 +48,7 @@ def test_steps_end_at_delimiters_and_carry_their_states():
     model = tiny_model("nemotron_h", dtype=torch.float64)
     policy = Policy(model, step_delimiter_ids=[7, 8], step_max_tokens=6, eos_token_ids=[9])
     root = policy.prefill([1, 2, 3, 4])
-    steps = policy.sample_steps(root, 6, torch.Generator().manual_seed(1))
+    steps = list(policy.sample_steps(root, 6, torch.Generator().manual_seed(1)))
     for step in steps:
         assert len(step.tokens) == 6 or step.tokens[-1] in (7, 8, 9)
         assert all(t not in (7, 8, 9) for t in step.tokens[:-1])
@@ -56,3 +56,5 @@ def test_steps_end_at_delimiters_and_carry_their_states():
         torch.testing.assert_close(step.state.logits, policy.extend(root, step.tokens).logits)
     with pytest.raises(ValueError):
         Policy(model, temperature=0.0)
+    with pytest.raises(ValueError, match="n must be"):
+        policy.sample_steps(root, 0)

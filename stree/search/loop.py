@@ -36,6 +36,9 @@ class SearchConfig:
     cluster_threshold: float = 0.3    # ETS: cosine distance cut of the step-embedding clusters
     aggregation: str = "last"         # trajectory score from step scores: last | min | prod
     seed: int = 0
+    leaf_states: str = "keep"         # keep: every leaf holds its SSM snapshot until the strategy chooses;
+                                      # replay: leaves keep tokens only, chosen ones are rebuilt from their parent's
+                                      # snapshot (one forward over the step): fewer snapshots, more compute
     # Beam search on the batched step decoder (stree.search.beam), each switch on its own:
     batched: bool = False             # decode candidates as rows of one batch; needs strategy="beam"
     speculative: bool = False         # expand a verified candidate without waiting for its level (SpecScale)
@@ -50,6 +53,10 @@ class SearchConfig:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         if self.width < 1 or self.max_steps < 1:
             raise ValueError("width and max_steps must be >= 1")
+        if self.leaf_states not in ("keep", "replay"):
+            raise ValueError(f"leaf_states must be 'keep' or 'replay', got {self.leaf_states!r}")
+        if self.batched and self.leaf_states != "keep":
+            raise ValueError("batched beam search keeps every candidate's state in its batch: use leaf_states='keep'")
         if self.batched:
             if self.strategy != "beam":
                 raise ValueError(f"batched=True runs beam search only: set strategy='beam' (got {self.strategy!r})")
@@ -112,14 +119,24 @@ def rebase(live, width, config, context):
 
 
 def ets(live, width, config, context):
-    scores = _scores(live, config)
-    clusters = cluster_embeddings(torch.stack([context.embed(t) for t in live]).numpy(), config.cluster_threshold)
+    """ETS over distinct search-tree nodes: copies of a node (siblings that drew the same step) share one state, so
+    they are kept or pruned together. The ILP sees each node once, worth its copies' summed REBASE weights (score +
+    temperature * log(copies)); REBASE then shares the width among the kept copies."""
+    nodes = {}
+    for t in live:
+        nodes.setdefault(t.node, []).append(t)
+    copies = list(nodes.values())
+    heads = [group[0] for group in copies]
+    scores = [s + config.rebase_temperature * math.log(len(group))
+              for s, group in zip(_scores(heads, config), copies)]
+    clusters = cluster_embeddings(torch.stack([context.embed(t) for t in heads]).numpy(), config.cluster_threshold)
     memory = context.memory
-    node_costs = {at.node: memory.node_bytes(at) for t in live for at in list(t.lineage())[1:]}
-    counts = ets_select([t.ancestors() for t in live], scores, clusters, width, lambda_b=config.lambda_b,
-                        lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
-                        leaf_costs=[memory.leaf_bytes(t) for t in live])
-    return list(zip(live, counts))
+    node_costs = {at.node: memory.node_bytes(at) for t in heads for at in list(t.lineage())[1:]}
+    kept = ets_select([t.ancestors() for t in heads], scores, clusters, width, lambda_b=config.lambda_b,
+                      lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
+                      leaf_costs=[memory.leaf_bytes(t) for t in heads])
+    survivors = [t for group, count in zip(copies, kept) if count for t in group]
+    return list(zip(survivors, rebase_allocation(_scores(survivors, config), width, config.rebase_temperature)))
 
 
 STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
@@ -161,27 +178,52 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     expansions = [(root, config.width)]
     finished, live, next_node = [], [], 1
     stats = dict(step_tokens=0, verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
+    replay = config.leaf_states == "replay"
     for step in range(config.max_steps):
+        parents = [parent for parent, count in expansions if count > 0]
+        if replay and step:
+            _rebuild_states(policy, parents)
         children = []
         for parent, count in expansions:
             if count <= 0:
                 continue
             for drawn in policy.sample_steps(parent.state, count, generator):
+                if replay or drawn.finished:  # nothing forks from here (yet): drop the snapshot, keep the embedding
+                    _release(drawn.state)
                 steps = parent.steps + [drawn.tokens]
                 score = verifier(prompt, steps)  # siblings that drew the same step share its score
                 stats["verifier_calls"] += 1
-                for _ in range(drawn.count):
+                for _ in range(drawn.count):  # one search-tree node: the copies share its tokens and state
                     group = len(children) % config.kept if step == 0 else parent.group
                     children.append(Trajectory(next_node, parent, steps, parent.step_scores + [score], drawn.state,
                                                drawn.finished, group))
-                    next_node += 1
+                next_node += 1
                 stats["step_tokens"] += len(drawn.tokens)
         stats["steps"] = step + 1
         finished += [c for c in children if c.finished]
         live = [c for c in children if not c.finished]
-        stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"], memory.tree_bytes(live + finished))
+        stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"],
+                                       memory.tree_bytes(live + finished, parents if replay else None))
+        if not replay:  # the children hold their own states now
+            for parent in parents:
+                _release(parent.state)
         width = config.width - len(finished)
         if not live or width <= 0 or step == config.max_steps - 1:
             break
         expansions = STRATEGIES[config.strategy](live, width, config, context)
     return search_result(finished or live, config.aggregation, answer_fn, stats, start)
+
+
+def _release(state):
+    """Free a PolicyState's cache (its snapshot); its hidden state stays as the step's embedding."""
+    state.cache = state.logits = None
+
+
+def _rebuild_states(policy, chosen):
+    """leaf_states="replay": give each chosen trajectory its state back, replaying its last step on top of its
+    parent's snapshot (once per search-tree node: copies share one state), then release the parents' snapshots."""
+    for t in {t.node: t for t in chosen}.values():
+        rebuilt = policy.extend(t.parent.state, t.steps[-1])
+        t.state.cache, t.state.logits = rebuilt.cache, rebuilt.logits
+    for t in chosen:
+        _release(t.parent.state)

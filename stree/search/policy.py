@@ -71,22 +71,34 @@ class Policy:
     def sample_steps(self, state, n, generator=None):
         """n sibling steps drawn independently from `state`, merged while their tokens agree.
 
-        Returns the distinct steps with their multiplicities (sum of counts = n). A step ends after a delimiter or
-        EOS token, or after step_max_tokens tokens.
+        Yields the distinct steps with their multiplicities (counts sum to n), each as soon as it is complete
+        (depth first), so the caller may score it and release its state before the next one is generated. A branch's
+        state is made when the branch is taken up: besides the steps yielded, one state per split point of the
+        current branch is alive at a time. A step ends after a delimiter or EOS token, or after step_max_tokens
+        tokens.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        steps, groups = [], [(state, n, [], False)]  # (state, siblings, tokens so far, cache owned here)
-        while groups:
-            at, count, tokens, owned = groups.pop()
-            probs = self.sampler.probs(at.logits, 0).cpu()
-            draws = Counter(torch.multinomial(probs, count, replacement=True, generator=generator).tolist())
-            for branch, (token, k) in enumerate(sorted(draws.items())):
-                grown = tokens + [token]
-                # An owned cache's last branch may take it over: nobody else reads it any more.
-                child = self.extend(at, [token], fork=not owned or branch < len(draws) - 1)
-                if self.ends_step(token, len(grown)):
-                    steps.append(Step(grown, child, k, token in self.eos))
-                else:
-                    groups.append((child, k, grown, True))
-        return steps
+        return self._steps(state, n, generator)
+
+    def _steps(self, state, n, generator):
+        pending = self._branches(state, n, [], None, generator)
+        while pending:
+            at, token, count, tokens, siblings_left = pending.pop()
+            # The last branch taken from a state made here takes it over: nobody else reads it any more.
+            last = siblings_left is not None and siblings_left.pop() == 0
+            child = self.extend(at, [token], fork=not last)
+            grown = tokens + [token]
+            if self.ends_step(token, len(grown)):
+                yield Step(grown, child, count, token in self.eos)
+            else:
+                pending += self._branches(child, count, grown, [], generator)
+
+    def _branches(self, at, count, tokens, siblings_left, generator):
+        """`count` next tokens drawn at state `at`, one pending branch per distinct token; siblings_left (a list
+        shared by the branches, None for a state the caller owns) counts down as they are taken up."""
+        probs = self.sampler.probs(at.logits, 0).cpu()
+        draws = sorted(Counter(torch.multinomial(probs, count, replacement=True, generator=generator).tolist()).items())
+        if siblings_left is not None:
+            siblings_left.extend(range(len(draws)))  # pop() gives len - 1, ..., 0: zero for the last branch
+        return [(at, token, k, tokens, siblings_left) for token, k in draws]

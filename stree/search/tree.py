@@ -9,7 +9,8 @@ from .answers import aggregate_step_scores, weighted_majority_vote
 
 @dataclass(eq=False)
 class Trajectory:
-    node: int                         # id in the search tree (the prompt is node 0)
+    node: int                         # id in the search tree (the prompt is node 0); siblings that drew the same
+                                      # step are one node (same tokens, one shared state) and share its id
     parent: "Trajectory"
     steps: list                       # token lists, one per step
     step_scores: list
@@ -44,9 +45,10 @@ class SearchResult:
 class TreeMemory:
     """What a search tree keeps alive, in bytes, if nodes share their prefixes (the ETS cost model).
 
-    A node keeps the attention K/V of its step's tokens (the prompt for the root); a leaf also keeps one SSM
-    snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork. Measured on the
-    policy's cache after the prompt.
+    A node keeps the attention K/V of its step's tokens (the prompt for the root); a node that holds a state also
+    keeps one SSM snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork: every
+    unfinished leaf, or, with SearchConfig(leaf_states="replay"), only the nodes being expanded. Siblings that drew
+    the same step are one node. Measured on the policy's cache after the prompt.
     """
 
     def __init__(self, root_state):
@@ -69,10 +71,12 @@ class TreeMemory:
     def leaf_bytes(self, trajectory):
         return self.node_bytes(trajectory) + self.ssm_bytes
 
-    def tree_bytes(self, leaves):
-        """Bytes kept by the leaves and every node on their paths, each node once."""
+    def tree_bytes(self, leaves, holders=None):
+        """Bytes kept by the leaves and every node on their paths, each node once, plus one SSM snapshot per
+        distinct node in `holders` (the trajectories holding a state; default: the unfinished leaves)."""
         nodes = {at.node: at for leaf in leaves for at in leaf.lineage()}
-        return len(leaves) * self.ssm_bytes + sum(self.node_bytes(at) for at in nodes.values())
+        holders = [leaf for leaf in leaves if not leaf.finished] if holders is None else holders
+        return len({t.node for t in holders}) * self.ssm_bytes + sum(self.node_bytes(at) for at in nodes.values())
 
 
 def trajectory_scores(trajectories, aggregation):
