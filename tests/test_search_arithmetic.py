@@ -26,6 +26,14 @@ def test_check_step_accepts_exactly_the_right_next_line():
     for i, line in enumerate(lines):
         assert check_step(p, lines[:i], line) == 1.0
         assert check_step(p, lines[:i], line.strip() + "1\n") == 0.0  # a wrong number
+    worked = p.solution(random.Random(0), worked=1.0)
+    assert all(len(w) > len(t) for w, t in zip(worked[:-1], lines)) and worked[-1] == lines[-1]
+    for i, line in enumerate(worked):
+        assert check_step(p, worked[:i], line) == 1.0 and check_step(p, lines[:i], line) == 1.0
+    start, op, operand = p.start, *p.ops[0]
+    result = p.results()[0]
+    for middle in (f"{start} {op} {operand} + 1", f"{start} * {operand}", "", f"{start} {op}"):
+        assert check_step(p, [], f"{start} {op} {operand} = {middle} = {result}\n") == 0.0  # a wrong middle
     wrong_first = lines[0].rsplit("=", 1)[0] + "= 1000\n"
     assert check_step(p, [], wrong_first) == 0.0
     assert check_step(p, [wrong_first], lines[1]) == 0.0   # nothing after a wrong step counts

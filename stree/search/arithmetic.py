@@ -1,7 +1,7 @@
 """A verifiable multi-step task that needs no download: generated arithmetic word problems.
 
 A problem starts from a number and applies a few operations; its solution writes one line per operation,
-"a op b = c", then "answer: c". A program checks every step (right operands, right result), which makes an exact
+"a op b = c" (or, shown worked and longer, "a op b = <the same with + and - only> = c"), then "answer: c". A program checks every step (right operands, right result), which makes an exact
 verifier for search, and solutions are training traces for a small policy. Text is tokenised character by
 character with CharTokenizer.
 """
@@ -30,13 +30,40 @@ class Problem:
             values.append(value)
         return values
 
-    def solution(self):
-        """Step lines "a op b = c" and the final "answer: c", each ending in a newline."""
+    def solution(self, rng=None, worked=0.0):
+        """Step lines "a op b = c" and the final "answer: c", each ending in a newline.
+
+        With probability `worked` (drawn from rng, a random.Random) a line shows its work instead, which makes it
+        longer: "a + b = a + b1 + b2 = c" / "a - b = a - b1 - b2 = c" with b split in two, "a * b = a + ... + a = c".
+        """
         lines, value = [], self.start
         for (op, operand), result in zip(self.ops, self.results()):
-            lines.append(f"{value} {op} {operand} = {result}\n")
+            work = f" = {_worked(value, op, operand)}" if rng is not None and rng.random() < worked else ""
+            lines.append(f"{value} {op} {operand}{work} = {result}\n")
             value = result
         return lines + [f"answer: {value}\n"]
+
+
+def _worked(value, op, operand):
+    """The middle of a worked step: the operation written with + and - only."""
+    if op == "*":
+        return " + ".join([str(value)] * operand)
+    half = operand // 2
+    parts = [operand - half, half] if half else [operand]
+    return f" {op} ".join([str(value)] + [str(p) for p in parts])
+
+
+def _evaluate(expression):
+    """The value of "n op n op ..." with + and - only, left to right; None if it is anything else."""
+    tokens = expression.split(" ")
+    if len(tokens) % 2 == 0 or not all(re.fullmatch(r"[0-9]+", t) for t in tokens[::2]):
+        return None
+    value = int(tokens[0])
+    for op, number in zip(tokens[1::2], tokens[2::2]):
+        if op not in "+-" or len(op) != 1:
+            return None
+        value = APPLY[op](value, int(number))
+    return value
 
 
 def make_problem(rng, steps=3, max_start=20):
@@ -61,18 +88,27 @@ def make_problems(count, seed=0, steps=3):
 
 
 def check_step(problem, previous_steps, step):
-    """1.0 if `step` (text) is the correct next line of the problem's solution given the steps so far, else 0.0.
+    """1.0 if `step` (text) is a correct next line of the problem's solution given the steps so far, else 0.0.
 
-    Steps are judged on their content: the right operation on the right operands with the right result, or the
-    right final answer once every operation is done.
+    Steps are judged on their content: "a op b = c" with the right operation, operands and result, optionally
+    with worked middles ("= <expression with + and -> =") that each equal the result; or "answer: c" once every
+    operation is done. A step after a wrong one is wrong.
     """
-    expected = problem.solution()
     index = len(previous_steps)
-    if index >= len(expected):
+    if index > len(problem.ops) or not all(_correct(problem, i, s) for i, s in enumerate(previous_steps)):
         return 0.0
-    if any(p.strip() != e.strip() for p, e in zip(previous_steps, expected)):
-        return 0.0  # a step after a wrong one cannot be right
-    return 1.0 if step.strip() == expected[index].strip() else 0.0
+    return 1.0 if _correct(problem, index, step) else 0.0
+
+
+def _correct(problem, index, step):
+    values = [problem.start] + problem.results()
+    text = step.strip()
+    if index == len(problem.ops):
+        return text == f"answer: {values[-1]}"
+    op, operand = problem.ops[index]
+    parts = text.split(" = ")
+    return (len(parts) >= 2 and parts[0] == f"{values[index]} {op} {operand}" and parts[-1] == str(values[index + 1])
+            and all(_evaluate(middle) == values[index + 1] for middle in parts[1:-1]))
 
 
 def extract_answer(text):
