@@ -1,14 +1,19 @@
 """Tree search on a verifiable task: generated arithmetic word problems (stree.search.arithmetic).
 
-A small hybrid policy (Bamba: Mamba2 layers + one attention layer, character-level) is trained with stree.distill's
+A small hybrid policy (Bamba: two Mamba2 and two attention layers, character-level) is trained with stree.distill's
 Trainer on solution traces (once; saved under benchmarks/assets/arith-policy, rebuilt with --retrain). A program
 checks every step and serves as the verifier. For each strategy at the same width: accuracy, mean peak retained-tree
-bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per leaf), step tokens and wall time.
+bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per state-holding node: every
+unfinished leaf, or only the expanded parents with replayed leaves), step tokens and wall time.
 Table on stdout, JSON and a PNG (accuracy against peak memory) in benchmarks/results/.
 
     python benchmarks/search.py                       # 40 held-out two-operation problems, width 8
     python benchmarks/search.py --problems 10 --width 4
-    python benchmarks/search.py --strategies "sync beam" "spec beam (EP+CD+LV)" --temperature 1.5
+    python benchmarks/search.py --width 16 --strategies "sync beam" "sync beam (CD)" "spec beam (EP)" \
+        "spec beam (EP+CD)" --out benchmarks/results/search-cpu-w16.json
+
+The policy was trained on solutions whose step lines are shown worked (longer) half of the time, so its steps vary
+in length within a level, as reasoning steps do: the case speculative execution is for.
 
 Beam search on the batched step decoder (the "sync beam" and "spec beam" rows, stree.search.beam) keeps k = 2 and
 expands each survivor into width/2 children; throughput is problems/s and decoded row-tokens/s (step tok: tokens the
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -47,6 +53,9 @@ STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "rebase": dict(strategy="rebase"),
     "ets (lb=1, ld=1)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0),
     "ets (lb=2, ld=1)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0),
+    "rebase (replay)": dict(strategy="rebase", leaf_states="replay"),
+    "ets (lb=1, ld=1, replay)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay"),
 }
 BATCHED_BEAM = dict(strategy="beam", beam_width=2, batched=True)  # k = 2 kept, width/k children each
 STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.beam)
@@ -59,11 +68,13 @@ STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.
 })
 
 
-def train_policy(tokenizer, steps, ops, seed=0):
-    """Train the policy on 40000 generated problems and their solutions (problems seeded apart from the test set)."""
-    stream = []
+def train_policy(tokenizer, steps, ops, worked, seed=0):
+    """Train the policy on 40000 generated problems and their solutions (problems seeded apart from the test set),
+    each step line shown worked (longer) with probability `worked`: the policy's steps then vary in length."""
+    stream, rng = [], random.Random(seed)
     for problem in make_problems(40000, seed=1000 + seed, steps=ops):
-        stream += tokenizer.encode(problem.text + "".join(problem.solution())) + [tokenizer.eos_token_id]
+        solution = "".join(problem.solution(rng, worked=worked))
+        stream += tokenizer.encode(problem.text + solution) + [tokenizer.eos_token_id]
     config = transformers.BambaConfig(vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=0, pad_token_id=0,
                                       **POLICY_CONFIG)
     policy = transformers.BambaForCausalLM(config)
@@ -106,9 +117,12 @@ def main():
     parser.add_argument("--ops", type=int, default=2, help="operations per problem")
     parser.add_argument("--train-steps", type=int, default=2500)
     parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--worked", type=float, default=0.5,
+                        help="--retrain: share of training step lines shown worked (longer)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_RUNS), choices=list(STRATEGY_RUNS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/search-cpu.json; the PNG goes beside it)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -116,7 +130,7 @@ def main():
         torch.set_num_threads(args.threads)
     tokenizer = CharTokenizer()
     if args.retrain or not os.path.exists(os.path.join(POLICY_DIR, "model.safetensors")):
-        train_policy(tokenizer, args.train_steps, args.ops, args.seed)
+        train_policy(tokenizer, args.train_steps, args.ops, args.worked, args.seed)
     policy = transformers.AutoModelForCausalLM.from_pretrained(POLICY_DIR, dtype=torch.float32).eval()
     problems = make_problems(args.problems, seed=args.seed, steps=args.ops)  # training problems use seeds 1000+
     print(f"device: cpu ({platform.processor() or 'cpu'}), torch {torch.__version__}, threads "
@@ -133,7 +147,7 @@ def main():
         print(f"{r['strategy']:>20} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
               f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
               f"{r['forward_passes']:>7.1f}")
-    out = os.path.join(HERE, "results", "search-cpu.json")
+    out = args.out or os.path.join(HERE, "results", "search-cpu.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(dict(problems=args.problems, width=args.width, temperature=args.temperature, rows=rows), f, indent=1)
@@ -153,8 +167,9 @@ def main():
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "results", "search-cpu.png"), dpi=120)
-    print(f"wrote {os.path.join(HERE, 'results', 'search-cpu.png')}")
+    png = os.path.splitext(out)[0] + ".png"
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":
