@@ -1,9 +1,9 @@
 """End-to-end decoding: HF autoregressive greedy vs vanilla speculative (chain) vs static trees, same prompts.
 
 Reports tokens/s, tau (tokens per target pass) and speedup over autoregressive for each method, checks that every
-method's output equals the autoregressive one, and times the target's one-pass tree forward over a 16-node tree
-against its own single-token decode step for trees of 1 to 32 nodes (STree's tree-overhead figure, as a curve). Table on stdout, JSON in
-benchmarks/results/.
+method's output equals the autoregressive one, and times the target's one-pass tree forward against its own
+single-token decode step for trees of 1 to 32 nodes (STree's tree-overhead figure, as a curve). Table on stdout,
+JSON in benchmarks/results/.
 
     python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
     python benchmarks/generate.py --target demo-target --draft demo-draft   # the bundled trained pair
@@ -220,7 +220,8 @@ def main():
             source = "random tokens"
             prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
                        for _ in range(args.prompts)]
-        print(f"prompts: {args.prompts} x {args.prompt_len} tokens of {source}, {args.max_new_tokens} new tokens each\n")
+        print(f"prompts: {args.prompts} x {args.prompt_len} tokens of {source}, "
+              f"{args.max_new_tokens} new tokens each\n")
         rows = []
         for temperature in args.temperatures:
             rows += run_methods(target, draft, prompts, args, temperature, device)

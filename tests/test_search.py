@@ -79,14 +79,36 @@ def test_replayed_leaf_states_change_memory_not_results(policy_model, strategy):
     scores and answer, float64 policy) with fewer snapshots held."""
     def run(leaf_states):
         config = SearchConfig(strategy=strategy, width=8, max_steps=4, step_max_tokens=3, lambda_b=4.0, seed=4,
-                              leaf_states=leaf_states)
+                              eos_token_ids=(0, 1), leaf_states=leaf_states)  # some finish early
         return tree_search(policy_model, [3, 1, 4], even_share, config, answer_fn=lambda tokens: tokens[-1] % 3)
     keep, replay = run("keep"), run("replay")
     assert [t.steps for t in keep.trajectories] == [t.steps for t in replay.trajectories]
     assert keep.scores == replay.scores and keep.answer == replay.answer
     assert replay.stats["peak_tree_bytes"] < keep.stats["peak_tree_bytes"]
+    # what still holds a cache at the end: keep, the last unfinished leaves; replay, only the last parents
+    for result, leaf_states in ((keep, "keep"), (replay, "replay")):
+        last = [t for t in result.trajectories if len(t.steps) == result.stats["steps"]]
+        allowed = {t.node for t in last if not t.finished} if leaf_states == "keep" else {t.parent.node for t in last}
+        held = {a.node for t in result.trajectories for a in t.lineage() if a.state.cache is not None}
+        assert held <= allowed, leaf_states
     with pytest.raises(ValueError, match="leaf_states"):
         SearchConfig(leaf_states="drop")
+
+
+def test_ets_keeps_or_prunes_the_copies_of_a_node_together(policy_model):
+    """Three copies of one node against single nodes: ETS decides per node (its weight is the copies' sum) and
+    shares a kept node's count evenly among its copies."""
+    from stree.search.loop import SearchContext, Trajectory, TreeMemory, ets
+    from stree.search.policy import Policy
+    state = Policy(policy_model).prefill([1, 2, 3])
+    root = Trajectory(0, None, [], [], state)
+    leaves = [Trajectory(1, root, [[5]], [0.5], state) for _ in range(3)]
+    leaves += [Trajectory(2, root, [[6]], [0.55], state), Trajectory(3, root, [[7]], [0.1], state)]
+    config = SearchConfig(strategy="ets", width=8, lambda_b=0.5, lambda_d=0.0, rebase_temperature=0.2)
+    counts = dict(ets(leaves, 8, config, SearchContext(TreeMemory(state), embedder=lambda tokens: [1.0, 0.0])))
+    copies = [counts[t] for t in leaves[:3]]
+    assert sum(counts.values()) == 8 and max(copies) - min(copies) <= 1
+    assert min(copies) > 0 and counts[leaves[4]] == 0  # three copies at 0.5 outweigh one node at 0.55
 
 
 def test_bad_config():

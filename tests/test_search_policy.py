@@ -54,6 +54,10 @@ def test_steps_end_at_delimiters_and_carry_their_states():
         assert all(t not in (7, 8, 9) for t in step.tokens[:-1])
         assert step.finished == (step.tokens[-1] == 9)
         torch.testing.assert_close(step.state.logits, policy.extend(root, step.tokens).logits)
+    # every yielded state is its own: feeding one more token to each gives what re-feeding from the root gives
+    for step in steps:
+        torch.testing.assert_close(policy.extend(step.state, [3]).logits, policy.extend(root, step.tokens + [3]).logits)
+    assert sum(step.count for step in steps) == 6
     with pytest.raises(ValueError):
         Policy(model, temperature=0.0)
     with pytest.raises(ValueError, match="n must be"):

@@ -128,6 +128,10 @@ def test_every_switch_combination_selects_what_synchronous_beam_selects(policy_m
     assert 1 <= len(completed) and run.stats["steps"] <= 4
     result = tree_search(policy_model, [1, 2, 3], hashed, beam_config(seed=4, **switches))
     assert sorted(result.scores) == sorted(t.step_scores[-1] for t in completed)
+    # nothing is left holding a row state: the batch copies a state when it expands it; pruned and completed
+    # candidates drop theirs
+    assert all(t.state is None for level in run.levels.values() for t in level.verified + [run.root])
+    assert all(a.state is None for t in completed for a in t.lineage())
 
 
 # cases where a rule that also counted candidates of not-yet-decided parents would drop a final top-k candidate

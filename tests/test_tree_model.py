@@ -116,6 +116,40 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
         torch.testing.assert_close(got_cache[name], want_cache[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
+    """A forward that fails after the attention layer appended K/V (bamba: mamba, attention, mamba) is rolled back:
+    extending again gives the one-pass logits and the commit still equals sequential decoding."""
+    import stree.models.tree_model as tree_model
+    model = tiny_model("bamba", dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    tokens, parents = random_tree(8, seed=8)
+    full = TreeModel(model)
+    full.prefill(prompt)
+    want = full.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
+    calls, original = [], tree_model.mixer_tree_forward
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return original(*args)
+
+    monkeypatch.setattr(tree_model, "mixer_tree_forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))
+    monkeypatch.setattr(tree_model, "mixer_tree_forward", original)
+    got = tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))[0]
+    torch.testing.assert_close(got, want[3:], rtol=1e-7, atol=1e-7)
+    tm.commit(torch.tensor([7]))
+    _, ref_cache = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, 7)])
+    got_cache, want_cache = layer_tensors(tm.cache), layer_tensors(ref_cache)
+    for name in want_cache:
+        torch.testing.assert_close(got_cache[name], want_cache[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
 def test_unsupported_model_lists_supported():
     from transformers import GPT2Config, GPT2LMHeadModel
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))

@@ -241,14 +241,15 @@ def test_a_tree_index_is_reused_across_calls(backend, device):
     nodes = torch.tensor([8, -1], device=device)
     xbc = torch.randn(2, 9, 6, device=device)
     conv_state, weight = torch.randn(2, 6, 4, device=device), torch.randn(6, 4, device=device)
-    for tree in (parents, index, index):  # the second use of the index reads its cached windows
-        y = tree_scan(**inputs, parents=tree, **extras, backend=backend)
-        torch.testing.assert_close(y, tree_scan(**inputs, parents=parents, **extras, backend=backend))
+    for _ in range(2):  # the second round reuses what the index cached
+        torch.testing.assert_close(tree_scan(**inputs, parents=index, **extras, backend=backend),
+                                   tree_scan(**inputs, parents=parents, **extras, backend=backend))
+        for width in (4, 2):  # two conv widths: two cached window tables on one index
+            torch.testing.assert_close(tree_conv1d(xbc, weight[:, :width], None, index, conv_state, backend=backend),
+                                       tree_conv1d(xbc, weight[:, :width], None, parents, conv_state, backend=backend))
     torch.testing.assert_close(
         tree_states(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], index, nodes, backend=backend),
         tree_states(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], parents, nodes, backend=backend))
-    torch.testing.assert_close(tree_conv1d(xbc, weight, None, index, conv_state, backend=backend),
-                               tree_conv1d(xbc, weight, None, parents, conv_state, backend=backend))
     torch.testing.assert_close(tree_conv_state(xbc, index, nodes, conv_state, backend=backend),
                                tree_conv_state(xbc, parents, nodes, conv_state, backend=backend))
     with pytest.raises(ValueError, match="TreeIndex is for trees of shape"):

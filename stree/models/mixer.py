@@ -88,7 +88,7 @@ def commit_mixers(mixers, cache, stash, tree, nodes):
     for m in mixers:
         layer = cache.layers[m.layer_idx]
         conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
-        key = (conv.shape, conv.dtype, ssm.shape, ssm.dtype, stash[m.layer_idx].B.shape[2])
+        key = (conv.shape, conv.dtype, conv.device, ssm.shape, ssm.dtype, stash[m.layer_idx].B.shape[2])
         groups.setdefault(key, []).append((m, layer, stash[m.layer_idx]))
     for group in groups.values():
         _commit_group(*zip(*group), tree, nodes)

@@ -117,8 +117,12 @@ class TreeModel:
                                                    device=tokens.device).masked_fill(~allowed[:, None],
                                                                                      torch.finfo(dtype).min)
         stash = dict(stash)
-        with self._tree_mixers(tree, stash):
-            logits = self._forward(tokens, **kwargs)
+        try:
+            with self._tree_mixers(tree, stash):
+                logits = self._forward(tokens, **kwargs)
+        except BaseException:  # attention layers may have appended the new nodes' K/V: cut back to the old tree
+            self._keep_kv(torch.arange(self.length + T_old, device=tokens.device).expand(batch, -1))
+            raise
         self._tree = (tree, stash)
         return logits
 

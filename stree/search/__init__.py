@@ -11,5 +11,6 @@ from .tree import SearchResult, Trajectory, TreeMemory
 from .verifiers import PRMVerifier, score_batch
 
 __all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",
-           "Policy", "PolicyState", "Step", "STRATEGIES", "SearchConfig", "SearchResult", "Trajectory", "TreeMemory", "tree_search",
+           "Policy", "PolicyState", "Step", "STRATEGIES", "SearchConfig", "SearchResult", "Trajectory", "TreeMemory",
+           "tree_search",
            "PRMVerifier", "score_batch", "RowBatch", "RowState", "VerificationQueue"]

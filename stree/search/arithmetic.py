@@ -1,7 +1,8 @@
 """A verifiable multi-step task that needs no download: generated arithmetic word problems.
 
 A problem starts from a number and applies a few operations; its solution writes one line per operation,
-"a op b = c" (or, shown worked and longer, "a op b = <the same with + and - only> = c"), then "answer: c". A program checks every step (right operands, right result), which makes an exact
+"a op b = c" (or, shown worked and longer, "a op b = <an expression in + and - worth c> = c"), then
+"answer: c". A program checks every step (right operands, right result), which makes an exact
 verifier for search, and solutions are training traces for a small policy. Text is tokenised character by
 character with CharTokenizer.
 """

@@ -82,7 +82,7 @@ class RowBatch:
         """Row i as a RowState (copies; the batch is unchanged)."""
         valid = self.mask[i]
         tensors = [_get(s)[i:i + 1][:, :, valid] if s[2] else _get(s)[i:i + 1].clone() for s in self.slots]
-        return RowState(tensors, int(self.lengths[i]), self.logits[i], self.hidden[i])
+        return RowState(tensors, int(self.lengths[i]), self.logits[i].clone(), self.hidden[i].clone())
 
     def select(self, index):
         """Keep rows `index` (LongTensor (B',), repeats fork a row, omissions drop it), in that order."""

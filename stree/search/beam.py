@@ -101,6 +101,8 @@ class BeamRun:
             rows += [Row(t, [], g) for g in groups]
         self.batch.add(states)
         self.rows += rows
+        for t in trajectories:  # the batch holds copies now
+            t.state = None
 
     def _sibling(self, key):
         seed = hash((self.config.seed,) + key) & (2 ** 63 - 1)
@@ -137,25 +139,27 @@ class BeamRun:
 
     def _measure(self, rows):
         """peak_tree_bytes: the prompt, every unexpanded verified candidate, every queued and decoding step (with
-        its ancestors once) under TreeMemory's model."""
+        its ancestors once) under TreeMemory's model. rows: this decode step's rows (those that ended are queued)."""
+        waiting = {id(row): row for row in rows + [row for row, _ in self.queue.items()]}.values()
         open_steps = [Trajectory(-1 - i, row.parent, row.parent.steps + [row.tokens], [], None)
-                      for i, row in enumerate(rows)]
+                      for i, row in enumerate(waiting)]
         leaves = [t for level in self.levels.values() for t in level.verified if t not in self.expanded]
         self.stats["peak_tree_bytes"] = max(self.stats["peak_tree_bytes"], self.memory.tree_bytes(leaves + open_steps))
 
     # verification and selection
 
     def _accept(self, row, state, score):
-        """A verified step: one trajectory per candidate of the row (all share the step's state)."""
+        """A verified step: one trajectory per candidate of the row, all on one search-tree node (they share the
+        step's tokens and state)."""
         depth = len(row.parent.steps) + 1
         level = self.levels.setdefault(depth, Level())
         for key, _ in row.siblings:
             t = Trajectory(self.next_node, row.parent, row.parent.steps + [row.tokens],
                            row.parent.step_scores + [score], state, row.tokens[-1] in self.policy.eos)
-            self.next_node += 1
             self.key[t] = key
             self.score[t] = trajectory_scores([t], self.config.aggregation)[0]
             level.verified.append(t)
+        self.next_node += 1
         self.stats["steps"] = max(self.stats["steps"], depth)
 
     def _settle(self):
@@ -182,6 +186,9 @@ class BeamRun:
             self.pruned.add(t)
             self.stats["pruned"] += 1
         for level in self.levels.values():
+            for t in level.verified:
+                if self._doomed(t):
+                    t.state = None  # nothing will fork from it
             level.verified = [t for t in level.verified if not self._doomed(t)]
         self._drop(self._doomed)
 
@@ -207,7 +214,10 @@ class BeamRun:
         top, rest = ranked[:self.config.kept], ranked[self.config.kept:]
         self._prune(rest)
         self.survivors.update(top)
-        self.completed += [t for t in top if t.finished or depth == self.config.max_steps]
+        done = [t for t in top if t.finished or depth == self.config.max_steps]
+        for t in done:
+            t.state = None
+        self.completed += done
         self._expand([t for t in top if not t.finished and depth < self.config.max_steps and t not in self.expanded])
         level.closed = True
         self.levels.setdefault(depth + 1, Level())

@@ -121,7 +121,7 @@ def rebase(live, width, config, context):
 def ets(live, width, config, context):
     """ETS over distinct search-tree nodes: copies of a node (siblings that drew the same step) share one state, so
     they are kept or pruned together. The ILP sees each node once, worth its copies' summed REBASE weights (score +
-    temperature * log(copies)); REBASE then shares the width among the kept copies."""
+    temperature * log(copies)); a kept node's REBASE count is then shared evenly among its copies."""
     nodes = {}
     for t in live:
         nodes.setdefault(t.node, []).append(t)
@@ -132,11 +132,10 @@ def ets(live, width, config, context):
     clusters = cluster_embeddings(torch.stack([context.embed(t) for t in heads]).numpy(), config.cluster_threshold)
     memory = context.memory
     node_costs = {at.node: memory.node_bytes(at) for t in heads for at in list(t.lineage())[1:]}
-    kept = ets_select([t.ancestors() for t in heads], scores, clusters, width, lambda_b=config.lambda_b,
-                      lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
-                      leaf_costs=[memory.leaf_bytes(t) for t in heads])
-    survivors = [t for group, count in zip(copies, kept) if count for t in group]
-    return list(zip(survivors, rebase_allocation(_scores(survivors, config), width, config.rebase_temperature)))
+    counts = ets_select([t.ancestors() for t in heads], scores, clusters, width, lambda_b=config.lambda_b,
+                        lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
+                        leaf_costs=[memory.leaf_bytes(t) for t in heads])
+    return [(t, n) for group, count in zip(copies, counts) for t, n in zip(group, _shares(count, len(group)))]
 
 
 STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
@@ -179,10 +178,14 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     finished, live, next_node = [], [], 1
     stats = dict(step_tokens=0, verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
     replay = config.leaf_states == "replay"
+    previous_parents = []  # replay: the trajectories expanded last: the chosen leaves are rebuilt from them
     for step in range(config.max_steps):
         parents = [parent for parent, count in expansions if count > 0]
         if replay and step:
             _rebuild_states(policy, parents)
+            for parent in previous_parents:
+                _release(parent.state)
+        previous_parents = parents
         children = []
         for parent, count in expansions:
             if count <= 0:
@@ -221,9 +224,10 @@ def _release(state):
 
 def _rebuild_states(policy, chosen):
     """leaf_states="replay": give each chosen trajectory its state back, replaying its last step on top of its
-    parent's snapshot (once per search-tree node: copies share one state), then release the parents' snapshots."""
-    for t in {t.node: t for t in chosen}.values():
-        rebuilt = policy.extend(t.parent.state, t.steps[-1])
+    parent's snapshot, once per search-tree node (copies share one state). A parent's last rebuilt child takes its
+    snapshot over instead of copying it; the caller releases the parents that had no chosen child."""
+    nodes = list({t.node: t for t in chosen}.values())
+    last_child = {id(t.parent.state): t for t in nodes}  # copies of a parent share one state: key by the state
+    for t in nodes:
+        rebuilt = policy.extend(t.parent.state, t.steps[-1], fork=last_child[id(t.parent.state)] is not t)
         t.state.cache, t.state.logits = rebuilt.cache, rebuilt.logits
-    for t in chosen:
-        _release(t.parent.state)

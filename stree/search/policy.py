@@ -49,7 +49,7 @@ class Policy:
         ids = torch.tensor([tokens], device=self.model.device)
         positions = torch.arange(start, start + len(tokens), device=self.model.device)[None]
         out = self.model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions,
-                         output_hidden_states=True)
+                         output_hidden_states=True, logits_to_keep=1)
         return PolicyState(cache, start + len(tokens), out.logits[0, -1], out.hidden_states[-1][0, -1])
 
     def prefill(self, prompt_ids):
