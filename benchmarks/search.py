@@ -55,6 +55,7 @@ STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "ets (lb=2, ld=1)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0),
     "rebase (replay)": dict(strategy="rebase", leaf_states="replay"),
     "ets (lb=1, ld=1, replay)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=1.5, ld=1, replay)": dict(strategy="ets", lambda_b=1.5, lambda_d=1.0, leaf_states="replay"),
     "ets (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay"),
 }
 BATCHED_BEAM = dict(strategy="beam", beam_width=2, batched=True)  # k = 2 kept, width/k children each
@@ -91,10 +92,10 @@ def run(policy, tokenizer, problems, name, overrides, width, seed, temperature):
             texts = [tokenizer.decode(s) for s in steps]
             return check_step(problem, texts[:-1], texts[-1])
 
+        # 48 characters: longer than any step line, worked ones included (at most 44 with values below 1000)
         config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
-                              eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=24, seed=seed + i,
-                              temperature=temperature,
-                              **overrides)
+                              eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=48, seed=seed + i,
+                              temperature=temperature, **overrides)
         start = time.perf_counter()
         result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
                              answer_fn=lambda t: extract_answer(tokenizer.decode(t)))
