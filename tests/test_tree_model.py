@@ -33,9 +33,7 @@ def assert_tree_logits_match_sequential(model, prompt_len, T, seed, tol):
     """Tree-pass logits of every node equal HF's sequential decode of prompt + path(node), within tol."""
     prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     tokens, parents = random_tree(T, seed=seed + 1)
-    tm = TreeModel(model)
-    tm.prefill(prompt)
-    logits = tm.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    logits = one_pass_logits(model, prompt, tokens, parents)
     assert logits.shape == (T, model.config.vocab_size)
     for i in range(T):
         want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
@@ -63,6 +61,22 @@ def layer_tensors(cache):
     return out
 
 
+def assert_cache_is_after(tm, model, prompt, path):
+    """tm's cache equals HF's after sequentially decoding prompt + path (token ids), tensor by tensor."""
+    _, ref_cache = decode_sequentially(model, prompt, path)
+    got, want = layer_tensors(tm.cache), layer_tensors(ref_cache)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=1e-6, atol=1e-6, msg=name)
+
+
+def one_pass_logits(model, prompt, tokens, parents):
+    """Logits (T, vocab) of every node from one tree_forward() of the whole tree."""
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    return tm.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("accepted", [0, 5, 11, -1])
 def test_commit_equals_feeding_the_path(family, accepted):
@@ -75,11 +89,7 @@ def test_commit_equals_feeding_the_path(family, accepted):
     tm.commit(torch.tensor([accepted]))
     path = [tokens[k] for k in path_to(parents, accepted)] if accepted >= 0 else []
     assert tm.length == 7 + len(path)
-    _, ref_cache = decode_sequentially(model, prompt, path)
-    got, want = layer_tensors(tm.cache), layer_tensors(ref_cache)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=1e-6, atol=1e-6, msg=name)
+    assert_cache_is_after(tm, model, prompt, path)
     # The committed cache keeps working: two more trees on top still equal sequential decoding.
     tm.tree_forward(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]))
     tm.commit(torch.tensor([1]))
@@ -95,9 +105,7 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     model = tiny_model(family, dtype=torch.float64)
     prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(5))
     tokens, parents = random_tree(13, seed=6)
-    full = TreeModel(model)
-    full.prefill(prompt)
-    want = full.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    want = one_pass_logits(model, prompt, tokens, parents)
     grown = TreeModel(model)
     grown.prefill(prompt)
     got, pieces = [], [(0, 1), (1, 5), (5, 6), (6, 13)]
@@ -110,10 +118,7 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     rows = grown.extend(torch.tensor([tokens[9:]]), torch.tensor([parents[9:]]), logits_for=[3, 0])[0]
     torch.testing.assert_close(rows, want[[12, 9]], rtol=1e-7, atol=1e-7)
     grown.commit(torch.tensor([12]))
-    _, ref_cache = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, 12)])
-    got_cache, want_cache = layer_tensors(grown.cache), layer_tensors(ref_cache)
-    for name in want_cache:
-        torch.testing.assert_close(got_cache[name], want_cache[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)])
 
 
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
@@ -123,9 +128,7 @@ def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     model = tiny_model("bamba", dtype=torch.float64)
     prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
     tokens, parents = random_tree(8, seed=8)
-    full = TreeModel(model)
-    full.prefill(prompt)
-    want = full.tree_forward(torch.tensor([tokens]), torch.tensor([parents]))[0]
+    want = one_pass_logits(model, prompt, tokens, parents)
     tm = TreeModel(model)
     tm.prefill(prompt)
     tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
@@ -144,10 +147,7 @@ def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     got = tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))[0]
     torch.testing.assert_close(got, want[3:], rtol=1e-7, atol=1e-7)
     tm.commit(torch.tensor([7]))
-    _, ref_cache = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, 7)])
-    got_cache, want_cache = layer_tensors(tm.cache), layer_tensors(ref_cache)
-    for name in want_cache:
-        torch.testing.assert_close(got_cache[name], want_cache[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert_cache_is_after(tm, model, prompt, [tokens[k] for k in path_to(parents, 7)])
 
 
 def test_unsupported_model_lists_supported():
