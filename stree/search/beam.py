@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .answers import aggregate_step_scores
 from .batched import RowBatch
 from .lazy import VerificationQueue
-from .tree import Trajectory, TreeMemory, search_result, trajectory_scores
+from .tree import Trajectory, TreeMemory, search_result
 
 MAX_SCORE = 1.0
 
@@ -153,11 +154,13 @@ class BeamRun:
         step's tokens and state)."""
         depth = len(row.parent.steps) + 1
         level = self.levels.setdefault(depth, Level())
+        step_scores = row.parent.step_scores + [score]
+        aggregated = aggregate_step_scores(step_scores, self.config.aggregation)  # the same for every copy
         for key, _ in row.siblings:
-            t = Trajectory(self.next_node, row.parent, row.parent.steps + [row.tokens],
-                           row.parent.step_scores + [score], state, row.tokens[-1] in self.policy.eos)
+            t = Trajectory(self.next_node, row.parent, row.parent.steps + [row.tokens], step_scores, state,
+                           row.tokens[-1] in self.policy.eos)
             self.key[t] = key
-            self.score[t] = trajectory_scores([t], self.config.aggregation)[0]
+            self.score[t] = aggregated
             level.verified.append(t)
         self.next_node += 1
         self.stats["steps"] = max(self.stats["steps"], depth)
@@ -238,13 +241,20 @@ class BeamRun:
             if level.closed:
                 continue
             if len(level.verified) > k:
-                self._prune([t for t in level.verified if k <= sum(self._rank(o) < self._rank(t)
-                                                                   and self._sure(o, set(t.lineage()))
-                                                                   for o in level.verified)])
+                self._prune([t for t in level.verified if self._outranked(t, level.verified, k)])
             perfect = [o for o in level.verified if self.score[o] >= MAX_SCORE]
             if len(perfect) >= k:  # nothing still unverified in this level can beat k sure perfect candidates
-                self._drop(lambda parent, depth=depth, perfect=perfect: len(parent.steps) + 1 == depth and k <= sum(
-                    self._sure(o, set(parent.lineage())) for o in perfect))
+                self._drop(lambda parent, depth=depth, perfect=perfect: len(parent.steps) + 1 == depth and
+                           self._sure_count(perfect, parent) >= k)
+
+    def _outranked(self, t, verified, k):
+        """At least k sure candidates of t's level rank above t."""
+        return self._sure_count([o for o in verified if self._rank(o) < self._rank(t)], t) >= k
+
+    def _sure_count(self, others, t):
+        """How many of `others` are in a level whenever a candidate with t's path (t included) is."""
+        path = set(t.lineage())
+        return sum(self._sure(o, path) for o in others)
 
 
 def batched_beam_search(policy, prompt, verifier, config, answer_fn):
