@@ -109,3 +109,29 @@ def test_permuted_inputs(backend, device):
     permuted = args["x"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, non-contiguous strides
     torch.testing.assert_close(tree_conv1d(**dict(args, x=permuted), backend=backend),
                                tree_conv1d(**args, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_conv1d_rows_match_loop(backend, kind, device):
+    """rows= computes the chosen nodes only, per batch row or shared, each equal to the naive loop."""
+    T = 19
+    args = make_inputs(random_rows(kind, T, batch=2, seed=4), dim=20, seed=4, device=device)
+    want = conv_loop(**cpu(args))
+    shared = torch.tensor([18, 3, 3, 0])
+    per_row = torch.tensor([[1, 2, 17], [16, 0, 9]])
+    torch.testing.assert_close(tree_conv1d(**args, rows=shared.to(device), backend=backend).double().cpu(),
+                               want[:, shared], rtol=1e-5, atol=1e-5)
+    got = tree_conv1d(**args, rows=per_row.to(device), backend=backend).double().cpu()
+    torch.testing.assert_close(got, torch.stack([want[b, per_row[b]] for b in range(2)]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_tree_conv(backend, device):
+    """T = 0: no outputs, and the conv state comes back unchanged."""
+    args = make_inputs([[-1]], seed=9, device=device)
+    empty = dict(args, x=args["x"][:, :0], parents=args["parents"][:, :0])
+    assert tree_conv1d(**empty, backend=backend).shape == (1, 0, 12)
+    state = tree_conv_state(empty["x"], empty["parents"], torch.tensor([-1], device=device), args["conv_state"],
+                            backend=backend)
+    torch.testing.assert_close(state, args["conv_state"])

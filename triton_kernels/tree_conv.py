@@ -4,7 +4,7 @@ Node i's window is [u_{a_{W-1}}, ..., u_{a_1}, u_i] with a_1 = parent(i), a_2 = 
 path leaves the tree the window continues into conv_state, newest column last (DESIGN.md §2).
 """
 from . import tree_conv_torch
-from .utils import check_float, check_nodes, check_shape, resolve_backend, tree_index
+from .utils import check_float, check_nodes, check_rows, check_shape, resolve_backend, tree_index
 
 ACTIVATIONS = ("silu", "swish", None, "identity")
 
@@ -20,7 +20,7 @@ def _check_conv_inputs(x, parents, conv_state):
     return tree_index(parents, batch, T, x.device)
 
 
-def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", backend="auto"):
+def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", rows=None, backend="auto"):
     """Causal depthwise conv over a tree: each node sees its own ancestors, then the conv state.
 
     Args:
@@ -30,9 +30,10 @@ def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", back
         parents: (batch, T) integer, parents[b, i] < i, -1 = child of the prefix; or a utils.TreeIndex of it.
         conv_state: (batch, dim, L) with L >= width - 1, the last L inputs before the tree, newest last.
         activation: "silu" (= "swish") or None / "identity".
+        rows: None (every node) or (R,) / (batch, R) node ids whose outputs to compute.
         backend: "auto" | "triton" | "torch".
     Returns:
-        (batch, T, dim) in x's dtype.
+        (batch, T, dim), or (batch, R, dim) with rows, in x's dtype.
     """
     index = _check_conv_inputs(x, parents, conv_state)
     dim = x.shape[2]
@@ -50,10 +51,11 @@ def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", back
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     silu = activation in ("silu", "swish")
+    rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
     if resolve_backend(backend, x) == "triton":
         from . import tree_conv_triton
-        return tree_conv_triton.tree_conv1d(x, weight, bias, index.parents, conv_state, silu)
-    return tree_conv_torch.tree_conv1d(x, weight, bias, index, conv_state, silu)
+        return tree_conv_triton.tree_conv1d(x, weight, bias, index.parents, conv_state, silu, rows)
+    return tree_conv_torch.tree_conv1d(x, weight, bias, index, conv_state, silu, rows)
 
 
 def tree_conv_state(x, parents, nodes, conv_state, *, backend="auto"):

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from .utils import compute_dtype, window_index
+from .utils import compute_dtype, gather_rows, window_index
 
 
 def _timeline(x, conv_state, dtype):
@@ -10,13 +10,13 @@ def _timeline(x, conv_state, dtype):
     return torch.cat([conv_state.transpose(1, 2).to(dtype), x.to(dtype)], dim=1)
 
 
-def tree_conv1d(x, weight, bias, tree, conv_state, silu):
-    """See tree_conv.tree_conv1d (inputs already validated; tree: a utils.TreeIndex). Returns (batch, T, dim) in
-    x.dtype."""
+def tree_conv1d(x, weight, bias, tree, conv_state, silu, rows=None):
+    """See tree_conv.tree_conv1d (inputs already validated; tree: a utils.TreeIndex; rows: None or (batch, R)).
+    Returns (batch, T or R, dim) in x.dtype."""
     batch = x.shape[0]
     cd = compute_dtype(x)
     timeline = _timeline(x, conv_state, cd)
-    index = tree.windows(weight.shape[1], conv_state.shape[2])
+    index = gather_rows(tree.windows(weight.shape[1], conv_state.shape[2]), rows)
     windows = timeline[torch.arange(batch, device=x.device)[:, None, None], index]      # (batch, T, W, dim)
     out = torch.einsum("btwd,dw->btd", windows, weight.to(cd))
     if bias is not None:

@@ -12,14 +12,18 @@ BLOCK_D = 64
 
 
 @triton.jit
-def _tree_conv_kernel(x_ptr, w_ptr, bias_ptr, parents_ptr, state_ptr, y_ptr, T, dim, state_len,
-                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+def _tree_conv_kernel(x_ptr, w_ptr, bias_ptr, parents_ptr, state_ptr, rows_ptr, y_ptr, T, R, dim, state_len,
+                      WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_ROWS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # output rows; their node ids are offs_t
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_t = offs_t < T
+    in_t = offs_r < R
     in_d = offs_d < dim
+    if HAS_ROWS:
+        offs_t = tl.load(rows_ptr + b * R + offs_r, mask=in_t, other=0)
+    else:
+        offs_t = offs_r
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_d, mask=in_d, other=0.0).to(tl.float32)[None, :]
@@ -37,7 +41,7 @@ def _tree_conv_kernel(x_ptr, w_ptr, bias_ptr, parents_ptr, state_ptr, y_ptr, T, 
         cur = tl.where(inside, tl.load(parents_ptr + b * T + cur, mask=inside, other=-1), -1)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + (b * T + offs_t[:, None]) * dim + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + (b * R + offs_r[:, None]) * dim + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=in_t[:, None] & in_d[None, :])
 
 
@@ -60,17 +64,19 @@ def _tree_conv_state_kernel(x_ptr, parents_ptr, nodes_ptr, state_ptr, out_ptr, T
         cur = tl.where(inside, tl.load(parents_ptr + b * T + cur, mask=in_d & inside, other=-1), -1)
 
 
-def tree_conv1d(x, weight, bias, parents, conv_state, silu):
-    """See tree_conv.tree_conv1d (inputs already validated)."""
+def tree_conv1d(x, weight, bias, parents, conv_state, silu, rows=None):
+    """See tree_conv.tree_conv1d (inputs already validated; rows None or (batch, R) int64)."""
     batch, T, dim = x.shape
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 0:
+    R = T if rows is None else rows.shape[1]
+    y = torch.empty(batch, R, dim, device=x.device, dtype=x.dtype)
+    if T == 0 or R == 0:
         return y
-    grid = (batch, triton.cdiv(T, BLOCK_T), triton.cdiv(dim, BLOCK_D))
+    grid = (batch, triton.cdiv(R, BLOCK_T), triton.cdiv(dim, BLOCK_D))
     _tree_conv_kernel[grid](x.contiguous(), weight.contiguous(), bias if bias is not None else weight,
-                            parents.contiguous(), conv_state.contiguous(), y, T, dim, conv_state.shape[2],
+                            parents.contiguous(), conv_state.contiguous(),
+                            rows.contiguous() if rows is not None else parents, y, T, R, dim, conv_state.shape[2],
                             WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu,
-                            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+                            HAS_ROWS=rows is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     return y
 
 

@@ -10,7 +10,7 @@ of any size is exact: no state is passed between chunks, hence no chunk boundary
 The cost is O(T^2) per head, which is small for the trees used in decoding and search.
 """
 from . import tree_scan_torch
-from .utils import check_float, check_nodes, check_shape, compute_dtype, resolve_backend, tree_index
+from .utils import check_float, check_nodes, check_rows, check_shape, compute_dtype, resolve_backend, tree_index
 
 
 def _check_scan_inputs(x, dt, A, B, parents, C=None, D=None, dt_bias=None, initial_states=None):
@@ -52,7 +52,7 @@ def _check_dt_limit(dt_limit):
 
 
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=False,
-              dt_limit=(0.0, float("inf")), initial_states=None, backend="auto"):
+              dt_limit=(0.0, float("inf")), initial_states=None, rows=None, backend="auto"):
     """Outputs of a Mamba2 SSD layer over a token tree, every node as if its path had been fed in order.
 
     Args:
@@ -66,15 +66,20 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
         dt_bias: (nheads,) or None. dt_softplus: apply softplus after the bias.
         dt_limit: (min, max) clamp of the processed dt.
         initial_states: (batch, nheads, headdim, dstate) state before the tree, or None for zeros.
+        rows: None (every node) or (R,) / (batch, R) node ids whose outputs to compute: a grown tree's new
+            nodes, say. The other nodes still act as their ancestors.
         backend: "auto" (Triton on CUDA, PyTorch otherwise), "triton" or "torch".
 
     Returns:
-        y: (batch, T, nheads, headdim) in x's dtype (accumulated in fp32, or fp64 for fp64 inputs).
+        y: (batch, T, nheads, headdim), or (batch, R, nheads, headdim) with rows, in x's dtype (accumulated in
+        fp32, or fp64 for fp64 inputs).
     """
     index = _check_scan_inputs(x, dt, A, B, parents, C=C, D=D, dt_bias=dt_bias, initial_states=initial_states)
     _check_dt_limit(dt_limit)
+    rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
     args = (x, dt, A, B, C, index)
-    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states)
+    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states,
+                  rows=rows)
     if resolve_backend(backend, x) == "triton":
         from . import tree_scan_triton
         return tree_scan_triton.tree_scan(*args, **kwargs)

@@ -4,7 +4,7 @@ This is also the production path on CPU. Inputs are already validated by tree_sc
 """
 import torch
 
-from .utils import compute_dtype, tree_decay
+from .utils import compute_dtype, gather_rows, tree_decay
 
 
 def _heads(t, nheads):
@@ -13,29 +13,33 @@ def _heads(t, nheads):
 
 
 def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
-              dt_limit=(0.0, float("inf")), initial_states=None):
-    """See tree_scan.tree_scan (index: a utils.TreeIndex). Returns y (batch, T, nheads, headdim) in x.dtype."""
+              dt_limit=(0.0, float("inf")), initial_states=None, rows=None):
+    """See tree_scan.tree_scan (index: a utils.TreeIndex; rows: None or (batch, R) int64). Returns y
+    (batch, T or R, nheads, headdim) in x.dtype."""
     cd = compute_dtype(x)
     batch, T, nheads, _ = x.shape
     ngroups = B.shape[2]
     dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
-    xf, Cf = x.to(cd), C.to(cd)
+    # Queries are the requested rows; keys are every node (only a query's ancestors count).
+    mask_q, s_q, C_q, x_q = (gather_rows(t, rows) for t in (mask, s, C, x))
+    R = mask_q.shape[1]
+    xf, Cf = x.to(cd), C_q.to(cd)
     # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
     # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
-    s_h = s.transpose(1, 2).contiguous()
-    on_path = mask[:, None]
-    weight = (s_h[..., :, None] - s_h[..., None, :]).masked_fill_(~on_path, 0.0).exp_().mul_(on_path)
-    weight = weight.mul_(dt.transpose(1, 2)[:, :, None, :]).view(batch, ngroups, nheads // ngroups, T, T)
-    weight = weight.mul_(torch.einsum("bign,bkgn->bgik", Cf, B.to(cd))[:, :, None]).view(batch, nheads, T, T)
+    on_path = mask_q[:, None]
+    weight = (s_q.transpose(1, 2)[..., :, None] - s.transpose(1, 2)[..., None, :]).masked_fill_(~on_path, 0.0)
+    weight = weight.exp_().mul_(on_path).mul_(dt.transpose(1, 2)[:, :, None, :])
+    weight = weight.view(batch, ngroups, nheads // ngroups, R, T)
+    weight = weight.mul_(torch.einsum("bign,bkgn->bgik", Cf, B.to(cd))[:, :, None]).view(batch, nheads, R, T)
     y = torch.einsum("bhik,bkhp->bihp", weight, xf)
     if initial_states is not None:
-        # One GEMM per group: (heads_in_group * headdim, dstate) @ (dstate, T), read straight from the state.
+        # One GEMM per group: (heads_in_group * headdim, dstate) @ (dstate, R), read straight from the state.
         h0 = initial_states.to(cd).view(batch, ngroups, -1, initial_states.shape[-1])
-        from_h0 = torch.matmul(h0, Cf.permute(0, 2, 3, 1))                       # (batch, G, R*P, T)
-        y += from_h0.view(batch, nheads, -1, T).permute(0, 3, 1, 2).mul_(s.exp()[..., None])
+        from_h0 = torch.matmul(h0, Cf.permute(0, 2, 3, 1))                       # (batch, G, heads*P, R)
+        y += from_h0.view(batch, nheads, -1, R).permute(0, 3, 1, 2).mul_(s_q.exp()[..., None])
     if D is not None:
         Df = D.to(cd)
-        y.addcmul_(xf, Df[:, None] if Df.dim() == 1 else Df)
+        y.addcmul_(x_q.to(cd), Df[:, None] if Df.dim() == 1 else Df)
     return y.to(x.dtype)
 
 

@@ -24,22 +24,26 @@ def _check_dstate(dstate):
 
 
 @triton.jit
-def _tree_scan_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, c_ptr, mask_ptr, h0_ptr, d_ptr, y_ptr,
-                      T, nheads, ngroups, headdim, dstate,
-                      HAS_H0: tl.constexpr, HAS_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tree_scan_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, c_ptr, mask_ptr, h0_ptr, d_ptr, rows_ptr, y_ptr,
+                      T, R, nheads, ngroups, headdim, dstate,
+                      HAS_H0: tl.constexpr, HAS_D: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_p = tl.program_id(2)
     b = pid_bh // nheads
     h = pid_bh % nheads
     g = h // (nheads // ngroups)
-    offs_i = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # output rows; their node ids are offs_i
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    in_i = offs_i < T
+    in_i = offs_r < R
     in_p = offs_p < headdim
     in_n = offs_n < dstate
+    if HAS_ROWS:
+        offs_i = tl.load(rows_ptr + b * R + offs_r, mask=in_i, other=0)
+    else:
+        offs_i = offs_r
 
     c_rows = tl.load(c_ptr + ((b * T + offs_i[:, None]) * ngroups + g) * dstate + offs_n[None, :],
                      mask=in_i[:, None] & in_n[None, :], other=0.0).to(tl.float32)
@@ -50,8 +54,12 @@ def _tree_scan_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, c_ptr, mask_ptr, h0_ptr, d_pt
                      mask=in_p[:, None] & in_n[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(c_rows, tl.trans(h0), input_precision="ieee") * tl.exp(s_i)[:, None]
 
-    # Ancestors have smaller indices, so keys past this block's last query never contribute.
-    k_end = tl.minimum((pid_t + 1) * BLOCK_T, T)
+    # Ancestors have smaller indices, so keys past this block's last query never contribute (chosen rows may be
+    # any nodes: then every key block is visited).
+    if HAS_ROWS:
+        k_end = T
+    else:
+        k_end = tl.minimum((pid_t + 1) * BLOCK_T, T)
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < T
@@ -72,7 +80,7 @@ def _tree_scan_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, c_ptr, mask_ptr, h0_ptr, d_pt
     if HAS_D:
         d = tl.load(d_ptr + h * headdim + offs_p, mask=in_p, other=0.0)
         acc += x_i * d[None, :]
-    tl.store(y_ptr + ((b * T + offs_i[:, None]) * nheads + h) * headdim + offs_p[None, :],
+    tl.store(y_ptr + ((b * R + offs_r[:, None]) * nheads + h) * headdim + offs_p[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=in_i[:, None] & in_p[None, :])
 
 
@@ -118,26 +126,28 @@ def _tree_states_kernel(x_ptr, dt_ptr, s_ptr, b_ptr, mask_ptr, nodes_ptr, h0_ptr
 
 
 def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
-              dt_limit=(0.0, float("inf")), initial_states=None):
-    """See tree_scan.tree_scan (inputs already validated)."""
+              dt_limit=(0.0, float("inf")), initial_states=None, rows=None):
+    """See tree_scan.tree_scan (inputs already validated; rows None or (batch, R) int64)."""
     batch, T, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2:]
     _check_dstate(dstate)
-    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, torch.float32)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 0:
+    R = T if rows is None else rows.shape[1]
+    y = torch.empty(batch, R, nheads, headdim, device=x.device, dtype=x.dtype)
+    if T == 0 or R == 0:
         return y
+    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, torch.float32)
     d = None if D is None else D.float().reshape(nheads, -1).expand(nheads, headdim).contiguous()
-    block_t, block_p = _block(T), _block(headdim)
-    grid = (batch * nheads, triton.cdiv(T, block_t), triton.cdiv(headdim, block_p))
+    block_t, block_p = _block(R), _block(headdim)
+    grid = (batch * nheads, triton.cdiv(R, block_t), triton.cdiv(headdim, block_p))
     _tree_scan_kernel[grid](
         x.contiguous(), dt.contiguous(), s.contiguous(), B.contiguous(), C.contiguous(),
         mask.to(torch.uint8).contiguous(),
         initial_states.contiguous() if initial_states is not None else x,
-        d if d is not None else x, y,
-        T, nheads, ngroups, headdim, dstate,
-        HAS_H0=initial_states is not None, HAS_D=D is not None,
-        BLOCK_T=block_t, BLOCK_K=block_t, BLOCK_P=block_p, BLOCK_N=_block(dstate, hi=256))
+        d if d is not None else x, rows.contiguous() if rows is not None else x, y,
+        T, R, nheads, ngroups, headdim, dstate,
+        HAS_H0=initial_states is not None, HAS_D=D is not None, HAS_ROWS=rows is not None,
+        BLOCK_T=block_t, BLOCK_K=block_t if rows is None else _block(T), BLOCK_P=block_p,
+        BLOCK_N=_block(dstate, hi=256))
     return y
 
 

@@ -116,6 +116,8 @@ def window_index(parents, nodes, length, state_len):
     Returns (batch, Q, length) int64: column `length - 1` is the node itself, then its parent, ...;
     a path that leaves the tree continues at state column state_len - 1, state_len - 2, ...
     """
+    if parents.shape[1] == 0:  # an empty tree: every window lies in the state (and gather needs a column)
+        parents = parents.new_full((parents.shape[0], 1), -1)
     cur = nodes
     col = torch.full_like(nodes, state_len)
     cols = []
@@ -134,21 +136,39 @@ class TreeIndex:
     validate the tree and solve its ancestor relation once per forward pass instead of once per call.
 
         parents:   (batch, T) int64, checked topological (-1 = child of the prefix)
-        ancestors: (batch, T, T) float32 0/1 ancestor-or-self matrix (ancestor_matrix)
-        mask:      (batch, T, T) bool, ancestors > 0
+        mask:      (batch, T, T) bool, [b, i, k] = node k is on path(i)
+        ancestors: (batch, T, T) float32 0/1 view of mask (ancestor_matrix)
+
+    TreeIndex(parents) validates and solves; TreeIndex.prebuilt(parents, mask, windows) takes structure its caller
+    already derived (stree's drafting builds it on the host as the tree grows) and checks nothing.
     """
 
     def __init__(self, parents):
         if not isinstance(parents, torch.Tensor) or parents.dim() != 2:
             raise ValueError(f"parents must be a (batch, T) tensor, got {getattr(parents, 'shape', parents)!r}")
         self.parents = check_parents(parents, *parents.shape, parents.device)
-        self.ancestors = ancestor_matrix(self.parents)
-        self.mask = self.ancestors > 0.5
+        self._ancestors = ancestor_matrix(self.parents)
+        self.mask = self._ancestors > 0.5
         self._windows = {}
+
+    @classmethod
+    def prebuilt(cls, parents, mask, windows=None):
+        """A TreeIndex from trusted structure: parents (batch, T) int64, mask (batch, T, T) bool as above, windows
+        {(length, state_len): (batch, T, length) int64} (see windows()). Nothing is validated or solved."""
+        self = cls.__new__(cls)
+        self.parents, self.mask, self._ancestors = parents, mask, None
+        self._windows = dict(windows or {})
+        return self
 
     @property
     def shape(self):
         return self.parents.shape
+
+    @property
+    def ancestors(self):
+        if self._ancestors is None:
+            self._ancestors = self.mask.to(torch.float32)
+        return self._ancestors
 
     def ancestor_matrix(self, dtype):
         return self.ancestors if dtype == torch.float32 else self.ancestors.to(dtype)
@@ -161,6 +181,33 @@ class TreeIndex:
             nodes = torch.arange(T, device=self.parents.device).expand(batch, T)
             self._windows[key] = window_index(self.parents, nodes, length, state_len)
         return self._windows[key]
+
+
+def check_rows(rows, batch, T, device):
+    """Validate `rows`, the node ids whose outputs a kernel computes: None (every node), (R,) or (batch, R) integer,
+    each in [0, T). Returns None or a (batch, R) int64 tensor."""
+    if rows is None:
+        return None
+    if not isinstance(rows, torch.Tensor) or rows.dim() not in (1, 2):
+        raise ValueError(f"rows must be a (R,) or (batch, R) tensor of node ids, got {getattr(rows, 'shape', rows)!r}")
+    if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+        raise ValueError(f"rows must be an integer tensor, got {rows.dtype}")
+    if rows.device != device:
+        raise ValueError(f"rows is on {rows.device} but the inputs are on {device}")
+    rows = rows.long()
+    rows = rows.expand(batch, -1) if rows.dim() == 1 else rows
+    if rows.shape[0] != batch:
+        raise ValueError(f"rows has batch {rows.shape[0]}, the inputs have {batch}")
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < T:
+        raise ValueError(f"rows must hold node ids in [0, {T}), got {rows.tolist()}")
+    return rows
+
+
+def gather_rows(t, rows):
+    """t (batch, T, ...) -> (batch, R, ...) at node ids rows (batch, R); t itself when rows is None."""
+    if rows is None:
+        return t
+    return t.gather(1, rows.reshape(*rows.shape, *([1] * (t.dim() - 2))).expand(*rows.shape, *t.shape[2:]))
 
 
 def tree_index(parents, batch, T, device):
