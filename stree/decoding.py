@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft import DynamicTree, draft_tree, tree_spec
+from .draft import DynamicTree, StaticTree, draft_tree, tree_spec
 from .models import TreeModel
 from .sampling import Sampler, sample
 from .verify import verify_greedy, verify_sampling
@@ -21,12 +21,15 @@ DEFAULT_TREE = DynamicTree()
 
 @dataclass
 class GenerationStats:
-    """Counters of one generate() call. Times in seconds."""
+    """Counters of one generate() call. Times in seconds (on CUDA each timed phase ends with a synchronize, which
+    only happens when stats are returned)."""
     new_tokens: int = 0
-    target_passes: int = 0          # tree verification passes (the prefill is not counted)
+    target_passes: int = 0          # verification passes (autoregressive: decode steps); the prefill is not counted
     draft_passes: int = 0           # draft tree passes (the prefill is not counted)
     tokens_per_pass: list = field(default_factory=list)  # per verification: accepted drafts + bonus, as emitted
     tree_sizes: list = field(default_factory=list)       # nodes per verified tree, root included
+    transfers: int = 0              # device-to-host copies in the decoding loop (drafting, verification)
+    prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
     commit_time: float = 0.0
@@ -37,16 +40,35 @@ class GenerationStats:
         """Mean tokens emitted per target verification pass (STree's and Medusa's tau)."""
         return sum(self.tokens_per_pass) / max(len(self.tokens_per_pass), 1)
 
+    @property
+    def rounds(self):
+        return len(self.tokens_per_pass)
 
-@contextmanager
-def _timed(stats, name, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
+    def breakdown(self):
+        """Milliseconds per round: draft / verify / commit / other (emission, bookkeeping), and transfers."""
+        rounds = max(self.rounds, 1)
+        decode = self.total_time - self.prefill_time
+        other = decode - self.draft_time - self.verify_time - self.commit_time
+        return {"draft_ms": 1e3 * self.draft_time / rounds, "verify_ms": 1e3 * self.verify_time / rounds,
+                "commit_ms": 1e3 * self.commit_time / rounds, "other_ms": 1e3 * other / rounds,
+                "transfers": self.transfers / rounds}
+
+
+class _Clock:
+    """Adds phase durations to a GenerationStats; synchronizes CUDA around a phase only when `sync`."""
+
+    def __init__(self, stats, device, sync):
+        self.stats, self.sync = stats, sync and device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, name):
+        if self.sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        setattr(self.stats, name, getattr(self.stats, name) + time.perf_counter() - start)
 
 
 def _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
@@ -61,7 +83,7 @@ def _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens)
     for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if draft_model.config.vocab_size != model.config.vocab_size:
+    if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
                          f"({model.config.vocab_size}); they must share a tokenizer")
     return input_ids.long().to(model.device)
@@ -85,7 +107,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     Args:
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
         input_ids: (1, P) or (P,) prompt token ids, P >= 1.
-        draft_model: any supported causal LM with the target's vocabulary.
+        draft_model: any supported causal LM with the target's vocabulary; None = stree's own autoregressive
+            decoding of the target (one single-node pass per token on the same engine: the baseline that shows
+            what speculation adds).
         max_new_tokens / min_new_tokens: bounds on the number of new tokens (EOS is banned before the minimum).
         temperature: 0 = greedy, equal to model.generate(do_sample=False); > 0 = sampling from the target's
             distribution after temperature, top_k and top_p (HF's order), verified losslessly.
@@ -102,14 +126,17 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
     Greedy exactness: the tree pass equals token-by-token decoding up to float rounding, so the output equals HF's
-    greedy search except where two top logits lie within that rounding (~1e-6 relative in float32).
+    greedy search except where two top logits lie within that rounding (~1e-6 relative in float32; in bf16 /
+    fp16 rounding differs between a tree pass and a decode step, so outputs agree with HF's for a while, not
+    token for token).
     """
     input_ids = _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens)
-    spec = tree_spec(tree)
+    spec = tree_spec(tree) if draft_model is not None else None
     eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
     sampler = Sampler(temperature, top_k, top_p, min_new_tokens, eos)
     stats = GenerationStats()
     device = input_ids.device
+    clock = _Clock(stats, device, sync=return_stats)
     start = time.perf_counter()
     generated = []
     if streamer is not None:
@@ -130,32 +157,48 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         return done
 
     def pick(logits):
+        stats.transfers += 1
         scores = sampler.scores(logits, len(generated))
         return int(scores.argmax()) if sampler.greedy else sample(scores.softmax(-1), generator)
 
     done = max_new_tokens == 0
     if not done:
-        target, draft = TreeModel(model), TreeModel(draft_model)
-        root = pick(target.prefill(input_ids)[0, -1])
-        draft.prefill(input_ids)
+        max_length = input_ids.shape[1] + max_new_tokens + _tree_capacity(spec)
+        target = TreeModel(model)
+        with clock("prefill_time"):
+            root = pick(target.prefill(input_ids, max_length=max_length)[0])
+            if draft_model is not None:
+                draft = TreeModel(draft_model)
+                draft.prefill(input_ids, max_length=max_length)
         done = emit([root])
         trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree
+    while not done and draft_model is None:  # stree's own autoregressive decoding: one node per pass
+        with clock("verify_time"):
+            token = pick(target.tree_forward([[generated[-1]]], [[-1]])[0, 0])
+        with clock("commit_time"):
+            target.commit([0])
+        stats.target_passes += 1
+        stats.tree_sizes.append(1)
+        stats.tokens_per_pass.append(1)
+        done = emit([token])
     while not done:
-        with _timed(stats, "draft_time", device):
+        with clock("draft_time"):
             drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator)
         stats.draft_passes += drafted.passes
+        stats.transfers += drafted.transfers
         offset = len(trunk) - 1  # the root's index in the draft's tree; the target's tree starts at the root
         tokens = drafted.tokens[offset:]
         parents = [p - offset for p in drafted.parents[offset:]]
-        with _timed(stats, "verify_time", device):
-            logits = target.tree_forward(torch.tensor([tokens], device=device),
-                                         torch.tensor([parents], device=device))[0]
+        with clock("verify_time"):
+            logits = target.tree_forward([tokens], [parents])[0]
             scores = sampler.scores(logits, len(generated) + torch.tensor(drafted.depth[offset:], device=device))
             if sampler.greedy:
                 accepted, bonus = verify_greedy(tokens, parents, scores)
+                stats.transfers += 1
             else:
                 draft_probs = {node - offset: q for node, q in drafted.probs.items()}
                 accepted, bonus = verify_sampling(tokens, parents, scores.softmax(-1), draft_probs, generator)
+                stats.transfers += len(accepted)
         stats.target_passes += 1
         stats.tree_sizes.append(len(tokens))
         emitted_before = len(generated)
@@ -163,7 +206,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         stats.tokens_per_pass.append(len(generated) - emitted_before)
         if done:
             break
-        with _timed(stats, "commit_time", device):
+        with clock("commit_time"):
             target.commit([accepted[-1]])
             path = [drafted.pass_index[n + offset] for n in accepted]
             draft.commit([max(path)])
@@ -174,3 +217,21 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     stats.total_time = time.perf_counter() - start
     output = torch.cat([input_ids, torch.tensor([generated], dtype=torch.long, device=device)], dim=1)
     return (output, stats) if return_stats else output
+
+
+def _tree_capacity(spec):
+    """An upper bound on the nodes one round's draft tree holds (trunk included): attention positions to reserve
+    past the output."""
+    if spec is None:
+        return 1
+    if isinstance(spec, StaticTree):
+        grown, level = 0, 1
+        for width in spec.branching:
+            level *= width
+            grown += level
+        levels = len(spec.branching)
+    elif isinstance(spec, DynamicTree):
+        grown, levels = spec.depth * spec.frontier * spec.top_k, spec.depth
+    else:
+        grown, levels = spec.beams * spec.steps, spec.steps
+    return grown + levels + 2

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import sample_without_replacement
+from .sampling import gumbel_top_k
 from .tree import static_parents
 
 
@@ -76,7 +76,8 @@ class DraftedTree:
     depth: list          # depth below the root of the speculation (trunk nodes before the root: negative)
     pass_index: list     # each node's index in the draft's last, uncommitted tree pass; -1 if it was not in it
     passes: int          # draft tree passes spent
-    probs: dict = field(default_factory=dict)  # node -> draft distribution its children were drawn from
+    probs: dict = field(default_factory=dict)  # node -> draft distribution (vocab,) its children were drawn from
+    transfers: int = 0   # device-to-host copies made while drafting
 
 
 class _Growth:
@@ -91,40 +92,41 @@ class _Growth:
         self.probs = {}
         self.passed = 0  # nodes seen by the latest draft pass
         self.passes = 0
+        self.transfers = 0  # device-to-host copies
 
     @property
     def root(self):
         return self.depth.index(0)
 
-    def run_draft(self, nodes):
+    def expand(self, nodes, k):
         """One draft pass over the nodes grown since the previous pass (the draft's uncommitted tree is extended,
-        not recomputed). nodes: ids among those new nodes. Returns {node: logits (vocab,)}, the LM head run on
-        `nodes` only."""
-        device = self.draft.model.device
-        tokens = torch.tensor([self.tokens[self.passed:]], device=device)
-        parents = torch.tensor([self.parents[self.passed:]], device=device)
+        not recomputed), then k children for each of `nodes` (ids among those new nodes): the top-k tokens when
+        greedy, else k draws without replacement. The LM head runs on `nodes` only, and the choice is one batched
+        operation over (len(nodes), vocab) with one copy to the host.
+
+        Returns {node: [(token, log q(token))]} in drawing order.
+        """
+        device = self.draft.device
+        tokens, parents = [self.tokens[self.passed:]], [self.parents[self.passed:]]
         keep = [node - self.passed for node in nodes]
         run = self.draft.extend if self.passed else self.draft.tree_forward
-        logits = run(tokens, parents, logits_for=keep)[0]
+        logits = run(tokens, parents, logits_for=keep)[0]                                  # (K, vocab)
         self.passed = len(self.tokens)
         self.passes += 1
-        return dict(zip(nodes, logits))
-
-    def log_probs(self, logits, node):
-        return self.sampler.scores(logits[node], self.generated + self.depth[node]).log_softmax(-1)
-
-    def children(self, logits, node, k):
-        """k children of `node` (logits: run_draft's dict): the top-k tokens when greedy, else k draws without
-        replacement.
-
-        Returns [(token, log q(token))] in drawing order."""
-        log_q = self.log_probs(logits, node)
+        generated = torch.tensor([self.generated + self.depth[n] for n in nodes], device=device)
+        log_q = self.sampler.scores(logits, generated).log_softmax(-1)                    # (K, vocab) float64
         if self.sampler.greedy:
-            picked = log_q.topk(k).indices.tolist()
+            values, picked = log_q.topk(k, dim=-1)
+            valid = torch.ones_like(values)
         else:
-            self.probs[node] = log_q.exp()
-            picked = sample_without_replacement(self.probs[node], k, self.generator)
-        return [(t, float(log_q[t])) for t in picked]
+            probs = log_q.exp()
+            self.probs.update(zip(nodes, probs))
+            picked, valid = gumbel_top_k(probs, k, self.generator)
+            values = log_q.gather(-1, picked)
+        host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
+        self.transfers += 1
+        return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
+                for r, node in enumerate(nodes)}
 
     def add(self, parent, token):
         self.tokens.append(token)
@@ -140,14 +142,15 @@ class _Growth:
                            parents=[new_id[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
                            depth=[self.depth[i] for i in keep],
                            pass_index=[i if i < self.passed else -1 for i in keep], passes=self.passes,
-                           probs={new_id[i]: q for i, q in self.probs.items() if i in new_id})
+                           probs={new_id[i]: q for i, q in self.probs.items() if i in new_id},
+                           transfers=self.transfers)
 
 
 def _static(growth, spec):
     frontier = [growth.root]
     for width in spec.branching:
-        logits = growth.run_draft(frontier)
-        frontier = [growth.add(node, token) for node in frontier for token, _ in growth.children(logits, node, width)]
+        children = growth.expand(frontier, width)
+        frontier = [growth.add(node, token) for node in frontier for token, _ in children[node]]
     return growth.result()
 
 
@@ -161,10 +164,10 @@ def _dynamic(growth, spec):
             expand = expand[:room // spec.top_k]
         if not expand:
             break
-        logits = growth.run_draft(expand)
+        children = growth.expand(expand, spec.top_k)
         frontier = []
         for node in expand:
-            for token, log_q in growth.children(logits, node, spec.top_k):
+            for token, log_q in children[node]:
                 child = growth.add(node, token)
                 joint[child] = joint[node] + log_q
                 frontier.append(child)
@@ -182,9 +185,8 @@ def _beam(growth, spec):
                          "StaticTree or DynamicTree with temperature > 0")
     beams = [(growth.root, 0.0)]
     for _ in range(spec.steps):
-        logits = growth.run_draft([node for node, _ in beams])
-        candidates = [(score + log_q, node, token) for node, score in beams
-                      for token, log_q in growth.children(logits, node, spec.beams)]
+        children = growth.expand([node for node, _ in beams], spec.beams)
+        candidates = [(score + log_q, node, token) for node, score in beams for token, log_q in children[node]]
         candidates.sort(key=lambda c: -c[0])
         beams = [(growth.add(node, token), score) for score, node, token in candidates[:spec.beams]]
     leaves = [node for node, _ in beams]

@@ -68,14 +68,16 @@ def sample(probs, generator=None):
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def sample_without_replacement(probs, k, generator=None):
-    """Up to k distinct token ids drawn one after another from probs (vocab,), each renormalised over the rest.
+def gumbel_top_k(probs, k, generator=None):
+    """k distinct token ids per row drawn one after another from probs (..., vocab), each renormalised over the rest.
 
     Gumbel-top-k: the order of log p + Gumbel noise is distributed as sequential sampling without replacement.
-    Fewer than k come back when probs has fewer than k non-zero entries.
+    The noise is drawn on the CPU, where `generator` lives. Returns (ids (..., k) int64, valid (..., k) float 0/1):
+    a row with fewer than k non-zero entries marks the extra draws invalid.
     """
-    probs = probs.cpu()
-    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype).clamp_(min=1e-300)
+    k = min(k, probs.shape[-1])
+    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype).clamp_(min=1e-300).to(probs.device)
     keys = probs.log() - (-uniform.log()).log()
-    top = keys.topk(min(k, probs.shape[-1]))
-    return [t for t, key in zip(top.indices.tolist(), top.values.tolist()) if key != float("-inf")]
+    top = keys.topk(k, dim=-1)
+    return top.indices, (top.values != float("-inf")).to(probs.dtype)
+

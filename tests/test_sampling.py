@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 import stree
 from stree.models import tiny_model
-from stree.sampling import Sampler, sample_without_replacement
+from stree.sampling import Sampler, gumbel_top_k
 from stree.verify import verify_sampling
 from stats import assert_matches, chi_square, chi_square_critical
 
@@ -42,6 +42,11 @@ def test_min_new_tokens_bans_eos_like_hf():
         torch.testing.assert_close(got[row], want.double())
 
 
+def sample_without_replacement(probs, k, g):
+    ids, valid = gumbel_top_k(probs, k, g)
+    return [t for t, ok in zip(ids.tolist(), valid.tolist()) if ok]
+
+
 def test_sampling_without_replacement_is_sequential():
     probs = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0], dtype=torch.float64)
     g = torch.Generator().manual_seed(2)
@@ -53,6 +58,8 @@ def test_sampling_without_replacement_is_sequential():
              if a != b and probs[a] > 0 and probs[b] > 0}
     assert_matches(counts, exact)
     assert sample_without_replacement(probs, 9, g).__len__() == 4  # only 4 tokens have mass
+    rows = gumbel_top_k(torch.stack([probs, probs.flip(0)]), 3, g)[0]  # batched rows draw independently
+    assert rows.shape == (2, 3) and set(rows[1].tolist()) <= {1, 2, 3, 4}
 
 
 class SyntheticLM:

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from .utils import compute_dtype, gather_rows, window_index
+from .utils import compute_dtype, gather_rows
 
 
 def _timeline(x, conv_state, dtype):
@@ -24,9 +24,15 @@ def tree_conv1d(x, weight, bias, tree, conv_state, silu, rows=None):
     return (F.silu(out) if silu else out).to(x.dtype)
 
 
-def tree_conv_state(x, parents, nodes, conv_state):
-    """See tree_conv.tree_conv_state (inputs already validated)."""
-    batch, _, state_len = conv_state.shape
+def tree_conv_state(x, tree, nodes, conv_state):
+    """See tree_conv.tree_conv_state (inputs already validated; tree: a utils.TreeIndex)."""
+    batch, T, _ = x.shape
+    state_len = conv_state.shape[2]
     timeline = _timeline(x, conv_state, conv_state.dtype)
-    index = window_index(parents, nodes[:, None], state_len, state_len)[:, 0]           # (batch, L)
+    if T == 0:
+        return conv_state.clone()
+    windows = tree.windows(state_len, state_len)                                        # (batch, T, L)
+    index = windows.gather(1, nodes.clamp(min=0)[:, None, None].expand(batch, 1, state_len))[:, 0]
+    keep = torch.arange(state_len, device=x.device).expand(batch, state_len)           # nothing accepted
+    index = torch.where((nodes >= 0)[:, None], index, keep)
     return timeline[torch.arange(batch, device=x.device)[:, None], index].transpose(1, 2).contiguous()

@@ -52,7 +52,7 @@ def _check_dt_limit(dt_limit):
 
 
 def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=False,
-              dt_limit=(0.0, float("inf")), initial_states=None, rows=None, backend="auto"):
+              dt_limit=(0.0, float("inf")), initial_states=None, rows=None, backend="auto", validate=True):
     """Outputs of a Mamba2 SSD layer over a token tree, every node as if its path had been fed in order.
 
     Args:
@@ -69,14 +69,19 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
         rows: None (every node) or (R,) / (batch, R) node ids whose outputs to compute: a grown tree's new
             nodes, say. The other nodes still act as their ancestors.
         backend: "auto" (Triton on CUDA, PyTorch otherwise), "triton" or "torch".
+        validate: False skips every input check (no host sync): for callers that built the inputs themselves,
+            with `parents` a TreeIndex.
 
     Returns:
         y: (batch, T, nheads, headdim), or (batch, R, nheads, headdim) with rows, in x's dtype (accumulated in
         fp32, or fp64 for fp64 inputs).
     """
-    index = _check_scan_inputs(x, dt, A, B, parents, C=C, D=D, dt_bias=dt_bias, initial_states=initial_states)
-    _check_dt_limit(dt_limit)
-    rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
+    if validate:
+        index = _check_scan_inputs(x, dt, A, B, parents, C=C, D=D, dt_bias=dt_bias, initial_states=initial_states)
+        _check_dt_limit(dt_limit)
+        rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
+    else:
+        index, rows = parents, None if rows is None else rows.long().expand(x.shape[0], -1)
     args = (x, dt, A, B, C, index)
     kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states,
                   rows=rows)
@@ -87,18 +92,22 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
 
 
 def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
-                dt_limit=(0.0, float("inf")), initial_states=None, backend="auto"):
+                dt_limit=(0.0, float("inf")), initial_states=None, backend="auto", validate=True):
     """SSM state after consuming path(nodes[b]) from the initial state: the commit of an accepted node.
 
     Args: as tree_scan (no C or D), plus
         nodes: (batch,) integer accepted node per row, -1 = nothing accepted (the initial state comes back).
+        validate: as tree_scan.
     Returns:
         states: (batch, nheads, headdim, dstate) in initial_states' dtype, or the compute dtype (fp32;
         fp64 for fp64 inputs) when initial_states is None.
     """
-    index = _check_scan_inputs(x, dt, A, B, parents, dt_bias=dt_bias, initial_states=initial_states)
-    _check_dt_limit(dt_limit)
-    nodes = check_nodes(nodes, x.shape[0], x.shape[1], x.device)
+    if validate:
+        index = _check_scan_inputs(x, dt, A, B, parents, dt_bias=dt_bias, initial_states=initial_states)
+        _check_dt_limit(dt_limit)
+        nodes = check_nodes(nodes, x.shape[0], x.shape[1], x.device)
+    else:
+        index = parents
     out_dtype = initial_states.dtype if initial_states is not None else compute_dtype(x)
     args = (x, dt, A, B, index, nodes)
     kwargs = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states)

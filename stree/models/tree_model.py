@@ -1,29 +1,51 @@
-"""TreeModel: an HF causal LM and its cache, able to run a whole token tree in one forward pass and keep a branch.
+"""TreeModel: an HF causal LM plus the state stree keeps for it, able to run a whole token tree in one forward pass
+on top of the committed sequence, grow that tree by new nodes, and keep one branch.
 
-The model's own forward runs unchanged except for its Mamba2 mixers, which are swapped for tree mixers for the
-duration of a tree pass. Attention layers see a 4D mask (prefix + the node's ancestors + itself) and
-position ids = prefix length + depth; they append the tree's K/V to their cache in node order, and commit()
-compacts that to prefix + accepted path. SSM layers do not touch the cache during the pass; commit() writes
-the accepted node's conv and SSM states (stree.triton_kernels.tree_conv_state / tree_states).
+A pass calls the model's own base model (its embeddings, decoder layers, attention modules, MLPs and norms run
+unchanged) with three things swapped in:
+  * its Mamba2 mixers, for the duration of the pass, by tree mixers (mamba2.Mamba2Layers) that compute only the
+    pass's new nodes and read earlier nodes from preallocated buffers;
+  * the cache, a StateCache whose attention buffers are preallocated: attention modules write the new nodes'
+    K/V into tree slots after the committed positions and see a 4D mask (prefix + ancestors + itself);
+  * positions = committed length + depth.
+The tree's structure (ancestors, conv windows, depths) is kept on the host (HostTree) and copied once per pass.
+The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
+(one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place.
 """
-from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from ..triton_kernels import TreeIndex
-from .mixer import commit_mixers, is_mamba_mixer, mixer_tree_forward
+from .cache import StateCache
+from .host_tree import HostTree
+from .mamba2 import Mamba2Layers, is_mamba2_mixer
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
+# Families whose CausalLM forward rescales the LM head's output.
+LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
+               "falcon_h1": lambda model: model.model.lm_head_multiplier}
+# Attention positions reserved past the prompt when prefill() is not told the final length.
+DEFAULT_RESERVE = 256
+
+
+@dataclass
+class TreePass:
+    """What a pass's tree mixers need: the TreeIndex of the whole tree so far, and the new nodes start..end-1
+    (rows: the same ids as a (R,) tensor on the device)."""
+    index: object
+    rows: torch.Tensor
+    start: int
+    end: int
 
 
 class TreeModel:
     """Wraps a loaded HF model (its modules and weights are used as they are, nothing is copied).
 
-    Flow: prefill(prompt) -> tree_forward(tokens, parents) -> commit(nodes) -> tree_forward(...) -> ...
-    `length` counts the tokens in the cache.
+    Flow: prefill(prompt) -> tree_forward(tokens, parents) -> [extend(...)] -> commit(nodes) -> tree_forward ...
+    `length` counts the committed tokens; `cache` is the StateCache.
     """
 
     def __init__(self, model):
@@ -35,156 +57,170 @@ class TreeModel:
             raise ValueError(f"attn_implementation={attn!r} only takes 2D padding masks, not a tree mask; load the "
                              "model with attn_implementation='sdpa' or 'eager'")
         self.model = model
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        self.logit_scale = LOGIT_SCALE.get(model_type)
         self.uses_attention = model_type != "mamba2"
-        self.mixers = [m for m in model.modules() if is_mamba_mixer(m)]
+        self.mixers = {m.layer_idx: m for m in model.modules() if is_mamba2_mixer(m)}
         if model_type in SSM_FAMILIES and not self.mixers:
             raise ValueError(f"found no Mamba2 mixer in this {model_type} model")
+        self.window_keys = sorted({(m.conv_kernel_size, m.conv_kernel_size) for m in self.mixers.values()})
+        self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.cache = None
-        self.length = 0
-        self._tree = None  # (TreeIndex, {layer_idx: MixerTreeInputs}) of the uncommitted tree
+        self.tree = None       # HostTree of the uncommitted tree
+        self._index = None     # its TreeIndex as of the last pass
+        self._pass = None
+        self._layers = {}      # layer_idx -> (Mamba2Layers, slice j)
 
-    def _forward(self, input_ids, **kwargs):
-        return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, **kwargs).logits
+    @property
+    def length(self):
+        return 0 if self.cache is None else self.cache.length
+
+    @property
+    def device(self):
+        return self.head.weight.device
 
     @torch.no_grad()
-    def prefill(self, input_ids):
-        """Start a new cache holding input_ids (batch, P), P >= 1. Returns logits (batch, P, vocab)."""
+    def prefill(self, input_ids, *, max_length=None):
+        """Start a new state holding input_ids (batch, P), P >= 1, with HF's own forward (its chunked scan).
+
+        max_length: the most tokens the sequence will hold, trees included (attention buffers are sized for it and
+        grow by doubling if it is exceeded); default P + 256. Returns the last token's logits (batch, vocab).
+        """
         batch, P = input_ids.shape
         if P < 1:
             raise ValueError("prefill needs at least one token")
-        self.cache = DynamicCache(config=self.model.config)
-        self._tree = None
+        hf_cache = DynamicCache(config=self.model.config)
         kwargs = {}
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
-        logits = self._forward(input_ids, **kwargs)
-        self.length = P
-        return logits
+        logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1, **kwargs).logits
+        self.cache = StateCache.from_hf(hf_cache, P, max(max_length or 0, P + DEFAULT_RESERVE))
+        self._layers = {}
+        for group in self.cache.groups:
+            if not all(i in self.mixers for i in group.layers):
+                raise ValueError(f"layers {group.layers} hold recurrent states but are not all Mamba2 mixers")
+            layers = Mamba2Layers([self.mixers[i] for i in group.layers], group)
+            self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
+        self.tree = self._index = None
+        return logits[:, -1]
 
     @torch.no_grad()
     def tree_forward(self, tokens, parents, *, logits_for=None):
-        """Logits (batch, T, vocab) of every node of a tree on top of the cache, in one forward pass.
+        """Logits (batch, T, vocab) of every node of a tree on top of the committed sequence, in one pass.
 
-        tokens (batch, T) int64; parents (batch, T) int64, parents[b, i] < i, -1 = child of the cached prefix.
-        Node i's logits are those the model gives after prefix + path(i). logits_for: optional (K,) node ids;
-        then only their logits are computed (LM head on K rows): (batch, K, vocab). The cache stays the prefix
-        until commit() (or discard()) is called; extend() may grow the tree first.
+        tokens (batch, T) ints (tensor or nested lists); parents (batch, T) ints, parents[b, i] < i, -1 = child of
+        the committed sequence. Node i's logits are those the model gives after the sequence + path(i).
+        logits_for: optional (K,) node ids; then only their logits are computed (LM head on K rows):
+        (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() may grow the
+        tree first.
         """
         if self.cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
-        if self._tree is not None:
+        if self.tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
-        return self._grow(tokens, parents, logits_for)
+        self.tree = HostTree(self.cache.batch, self.window_keys)
+        try:
+            return self._grow(tokens, parents, logits_for)
+        finally:
+            if self.tree.n == 0:
+                self.tree = None
 
     @torch.no_grad()
     def extend(self, tokens, parents, *, logits_for=None):
         """Grow the uncommitted tree by new nodes and return their logits (batch, T_new or K, vocab).
 
         tokens (batch, T_new); parents (batch, T_new) index the whole tree: the T_old nodes already passed, then
-        these (new node j has id T_old + j, so parents[b, j] < T_old + j; -1 = child of the prefix). Only the new
-        nodes go through the layers; their logits equal those of one tree_forward() over the grown tree.
-        logits_for: optional (K,) positions in `tokens` whose logits to compute.
+        these (new node j has id T_old + j, so parents[b, j] < T_old + j; -1 = child of the committed sequence).
+        Only the new nodes go through the layers; their logits equal those of one tree_forward() over the grown
+        tree. logits_for: optional (K,) positions in `tokens` whose logits to compute.
         """
-        if self._tree is None:
+        if self.tree is None:
             raise RuntimeError("no tree to extend: call tree_forward() first")
         return self._grow(tokens, parents, logits_for)
 
     def _grow(self, tokens, parents, logits_for):
-        if tokens.shape != parents.shape or tokens.dim() != 2:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} must both be (batch, T)")
-        old, stash = self._tree or (None, {})
-        batch, T_new = tokens.shape
-        if old is not None:
-            if old.shape[0] != batch:
-                raise ValueError(f"the tree has batch {old.shape[0]}, the new nodes have batch {batch}")
-            parents = torch.cat([old.parents, parents.to(old.parents.device)], dim=1)
-        T_old = parents.shape[1] - T_new
-        tree = TreeIndex(parents)  # validated once; every layer's kernels reuse its ancestor relation
-        if tree.parents.device != tokens.device:
-            raise ValueError(f"parents is on {tree.parents.device} but tokens are on {tokens.device}")
-        kwargs = {}
+        device, cache, tree = self.device, self.cache, self.tree
+        tokens = torch.as_tensor(tokens, device=device)
+        parents = parents.cpu().numpy() if isinstance(parents, torch.Tensor) else parents
+        if tokens.dim() != 2 or tokens.shape[0] != cache.batch or torch.Size(
+                getattr(parents, "shape", None) or (len(parents), len(parents[0]))) != tokens.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and parents must both be (batch={cache.batch}, T)")
+        R = tokens.shape[1]
         if logits_for is not None:
-            keep = torch.as_tensor(logits_for, device=tokens.device).long().reshape(-1)
-            if keep.numel() and not 0 <= int(keep.min()) <= int(keep.max()) < T_new:
-                raise ValueError(f"logits_for must hold positions in [0, {T_new}), got {keep.tolist()}")
-            kwargs["logits_to_keep"] = keep
-        if self.uses_attention:
-            new_rows = tree.mask[:, T_old:]                                          # (batch, T_new, T)
-            kwargs["position_ids"] = self.length + new_rows.sum(-1) - 1
-            allowed = torch.cat([new_rows.new_ones(batch, T_new, self.length), new_rows], dim=-1)
-            dtype = self.model.dtype
-            kwargs["attention_mask"] = torch.zeros(batch, 1, T_new, self.length + T_old + T_new, dtype=dtype,
-                                                   device=tokens.device).masked_fill(~allowed[:, None],
-                                                                                     torch.finfo(dtype).min)
-        stash = dict(stash)
+            logits_for = torch.as_tensor(logits_for, device=device).long().reshape(-1)
+            if logits_for.numel() and not 0 <= int(logits_for.min()) <= int(logits_for.max()) < R:
+                raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for.tolist()}")
+        start, end = tree.add(parents)  # raises ValueError unless topological
         try:
-            with self._tree_mixers(tree, stash):
-                logits = self._forward(tokens, **kwargs)
-        except BaseException:  # attention layers may have appended the new nodes' K/V: cut back to the old tree
-            self._keep_kv(torch.arange(self.length + T_old, device=tokens.device).expand(batch, -1))
+            index = tree.index(device)
+            for layers, _ in self._layers.values():
+                layers.reserve(tree.capacity)
+            kwargs = dict(position_ids=torch.from_numpy(cache.length + tree.depth[:, start:end]).to(device))
+            if self.uses_attention:
+                cache.reserve(cache.length + end)
+                visible = cache.length + end
+                dtype = self.head.weight.dtype
+                bias = torch.zeros(cache.batch, 1, R, visible, dtype=dtype, device=device)
+                bias[:, 0, :, cache.length:].masked_fill_(~index.mask[:, start:end], torch.finfo(dtype).min)
+                kwargs["attention_mask"] = bias
+                cache.begin_pass((cache.length + start, cache.length + end), visible)
+            self._pass = TreePass(index, torch.arange(start, end, device=device), start, end)
+            for i, forward in self._forwards.items():
+                self.mixers[i].forward = forward
+            try:
+                hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
+            finally:
+                for mixer in self.mixers.values():
+                    del mixer.forward
+        except BaseException:  # the buffers' new slots are simply reused by the next pass
+            tree.truncate(start)
             raise
-        self._tree = (tree, stash)
-        return logits
-
-    @contextmanager
-    def _tree_mixers(self, tree, stash):
-        """Swap every mixer's forward for the tree pass; stash[layer] holds the tree's mixer inputs so far."""
-        def tree_forward_of(mixer):
-            def forward(hidden_states, *args, **kwargs):
-                layer = self.cache.layers[mixer.layer_idx]
-                out, stash[mixer.layer_idx] = mixer_tree_forward(mixer, hidden_states, layer, tree,
-                                                                 stash.get(mixer.layer_idx))
-                return out
-            return forward
-
-        for mixer in self.mixers:
-            mixer.forward = tree_forward_of(mixer)
-        try:
-            yield
         finally:
-            for mixer in self.mixers:
-                del mixer.forward
+            cache.end_pass()
+            self._pass = None
+        self._index = index
+        if logits_for is not None:
+            hidden = hidden[:, logits_for]
+        return self.logits(hidden)
+
+    def _tree_forward_of(self, layer_idx):
+        def forward(hidden_states, *args, **kwargs):
+            layers, j = self._layers[layer_idx]
+            return layers.forward(j, hidden_states, self._pass, self.cache.conv[layer_idx],
+                                  self.cache.recurrent[layer_idx])
+        return forward
+
+    def logits(self, hidden):
+        """The model's LM head (with its family's output scaling) on final hidden states (..., hidden)."""
+        logits = self.head(hidden.to(self.head.weight.dtype))
+        return logits if self.logit_scale is None else logits * self.logit_scale(self.model)
 
     @torch.no_grad()
     def commit(self, nodes):
-        """Make the cache equal to prefix + path(nodes[b]) of the last tree, in place.
+        """Make the state equal to the committed sequence + path(nodes[b]) of the current tree, in place.
 
-        nodes (batch,) int64, -1 = keep only the prefix. Every row must accept a path of the same length.
+        nodes (batch,) ints (tensor or list), -1 = keep only the committed sequence. Every row must accept a path
+        of the same length.
         """
-        if self._tree is None:
+        if self.tree is None:
             raise RuntimeError("no tree to commit: call tree_forward() first")
-        tree, stash = self._tree
-        nodes = torch.as_tensor(nodes, device=tree.parents.device).long().reshape(-1)
-        batch, T = tree.shape
-        if nodes.shape[0] != batch or bool(((nodes < -1) | (nodes >= T)).any()):
-            raise ValueError(f"nodes must hold {batch} node ids in [-1, {T}), got {nodes.tolist()}")
-        on_path = tree.mask[torch.arange(batch, device=nodes.device), nodes.clamp(min=0)] & (nodes >= 0)[:, None]
-        counts = on_path.sum(-1)
-        if bool((counts != counts[0]).any()):
-            raise ValueError(f"accepted paths of different lengths across the batch ({counts.tolist()}) are not "
-                             "supported")
-        commit_mixers(self.mixers, self.cache, stash, tree, nodes)
-        path = on_path.nonzero()[:, 1].reshape(batch, -1)
-        prefix = torch.arange(self.length, device=nodes.device).expand(batch, self.length)
-        self._keep_kv(torch.cat([prefix, self.length + path], dim=1))
-        self.length += int(counts[0])
-        self._tree = None
+        tree, cache = self.tree, self.cache
+        nodes = nodes.reshape(-1).tolist() if isinstance(nodes, torch.Tensor) else [int(n) for n in nodes]
+        if len(nodes) != cache.batch or any(not -1 <= n < tree.n for n in nodes):
+            raise ValueError(f"nodes must hold {cache.batch} node ids in [-1, {tree.n}), got {nodes}")
+        paths = [tree.path(b, n) for b, n in enumerate(nodes)]
+        if any(len(p) != len(paths[0]) for p in paths):
+            raise ValueError(f"accepted paths of different lengths across the batch ({[len(p) for p in paths]}) "
+                             "are not supported")
+        device = self.device
+        node_ids = torch.tensor(nodes, device=device)
+        for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
+            layers.commit(self._index, node_ids)
+        cache.keep_positions(cache.length + torch.tensor(paths, dtype=torch.long, device=device).reshape(
+            cache.batch, -1))
+        self.tree = self._index = None
 
     def discard(self):
-        """Forget the last tree: the cache holds the prefix alone again."""
-        if self._tree is not None:
-            parents = self._tree[0].parents
-            self._keep_kv(torch.arange(self.length, device=parents.device).expand(parents.shape[0], self.length))
-            self._tree = None
-
-    def _keep_kv(self, keep):
-        """Keep K/V positions keep (batch, n) of every attention cache layer, in that order."""
-        for layer in self.cache.layers:
-            keys = getattr(layer, "keys", None)
-            if not isinstance(keys, torch.Tensor) or keys.numel() == 0:
-                continue
-            if getattr(layer, "is_sliding", False):
-                raise ValueError("sliding-window attention caches are not supported")
-            index = keep[:, None, :, None].expand(keys.shape[0], keys.shape[1], keep.shape[1], keys.shape[3])
-            layer.keys = keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+        """Forget the uncommitted tree: the state is the committed sequence alone again."""
+        self.tree = self._index = None

@@ -1,0 +1,154 @@
+"""StateCache: what stree keeps of a model between passes, in place of HF's DynamicCache.
+
+Two kinds of layer state, keyed by the HF layer index:
+  * recurrent layers (Mamba2 and other mixers): `conv[i]` (batch, channels, K) and `recurrent[i]` (batch, heads,
+    ...) or None. Layers whose states have equal shapes are stored as slices of one stacked tensor per group
+    (`groups`), so a commit writes a whole group with one kernel call and one copy.
+  * attention layers: `keys[i]` / `values[i]`, preallocated buffers (batch, kv_heads, capacity, head_dim); positions
+    [0, length) hold the committed sequence, the slots after it the uncommitted tree's nodes.
+
+During a pass the model's own attention modules call `update(k, v, layer_idx)` as they would on HF's cache; the
+pass first says where the new keys go and how many positions to return (`begin_pass`). Forking rows for search and
+counting bytes live here too.
+"""
+import torch
+
+
+class StateGroup:
+    """Equally shaped recurrent layers stacked along dim 1: conv (batch, n * channels, K), recurrent (batch,
+    n * heads, ...) or None. layers[j] is the HF layer index of slice j."""
+
+    def __init__(self, layers, conv, recurrent):
+        self.layers, self.conv, self.recurrent = list(layers), conv, recurrent
+
+    def slices(self, j):
+        """Layer j's own views of the stacked tensors."""
+        c = self.conv.shape[1] // len(self.layers)
+        conv = self.conv[:, j * c:(j + 1) * c]
+        if self.recurrent is None:
+            return conv, None
+        h = self.recurrent.shape[1] // len(self.layers)
+        return conv, self.recurrent[:, j * h:(j + 1) * h]
+
+
+class StateCache:
+    """The per-row decoding state of one model. `length` tokens are committed (the same count on every row)."""
+
+    def __init__(self, groups, keys, values, length):
+        self.groups = groups
+        self.keys, self.values = keys, values
+        self.length = length
+        self.conv, self.recurrent = {}, {}
+        for group in groups:
+            for j, layer in enumerate(group.layers):
+                self.conv[layer], self.recurrent[layer] = group.slices(j)
+        self._slots = None      # (start, end) positions the current pass writes, or a (R,) index tensor
+        self._visible = None    # positions the current pass attends to: keys[..., :visible, :]
+
+    @property
+    def batch(self):
+        for t in (*self.keys.values(), *(g.conv for g in self.groups)):
+            return t.shape[0]
+        return 0
+
+    @property
+    def capacity(self):
+        """Positions each attention buffer holds (None without attention layers)."""
+        return next((k.shape[2] for k in self.keys.values()), None)
+
+    @classmethod
+    def from_hf(cls, hf_cache, length, capacity):
+        """Take the states of an HF DynamicCache after a prefill of `length` tokens; attention buffers get
+        `capacity` >= length positions."""
+        recurrent_layers, keys, values = {}, {}, {}
+        for i, layer in enumerate(hf_cache.layers):
+            conv = getattr(layer, "conv_states", {}) or {}
+            if conv.get(0) is not None:
+                rec = (getattr(layer, "recurrent_states", {}) or {}).get(0)
+                recurrent_layers[i] = (conv[0], rec)
+            k = getattr(layer, "keys", None)
+            if isinstance(k, torch.Tensor) and k.numel():
+                if getattr(layer, "is_sliding", False):
+                    raise ValueError("sliding-window attention caches are not supported")
+                keys[i], values[i] = _buffer(k, capacity), _buffer(layer.values, capacity)
+        by_shape = {}
+        for i, (conv, rec) in recurrent_layers.items():
+            key = (conv.shape[0], conv.shape[2:], conv.dtype, None if rec is None else (rec.shape[2:], rec.dtype))
+            by_shape.setdefault(key, []).append(i)
+        groups = []
+        for layers in by_shape.values():
+            conv = torch.cat([recurrent_layers[i][0] for i in layers], dim=1)
+            recs = [recurrent_layers[i][1] for i in layers]
+            groups.append(StateGroup(layers, conv, None if recs[0] is None else torch.cat(recs, dim=1)))
+        return cls(groups, keys, values, length)
+
+    def reserve(self, positions):
+        """Make every attention buffer hold at least `positions` positions (grows by doubling; eager use only)."""
+        capacity = self.capacity
+        if capacity is None or positions <= capacity:
+            return
+        new = max(positions, 2 * capacity)
+        for store in (self.keys, self.values):
+            for i, t in store.items():
+                store[i] = _buffer(t, new)
+
+    # ---- the pass protocol of HF attention modules -------------------------------------------------------------
+    def begin_pass(self, slots, visible):
+        """The next pass writes its new keys/values at `slots` ((start, end) or a (R,) index tensor) and attends
+        to positions [0, visible)."""
+        self._slots, self._visible = slots, visible
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """HF's Cache.update: store the pass's new keys/values (batch, kv_heads, R, head_dim); return the keys and
+        values the pass attends to, (batch, kv_heads, visible, head_dim)."""
+        if self._slots is None:
+            raise RuntimeError("StateCache.update outside a pass")
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if isinstance(self._slots, tuple):
+            start, end = self._slots
+            keys[:, :, start:end] = key_states
+            values[:, :, start:end] = value_states
+        else:
+            keys.index_copy_(2, self._slots, key_states)
+            values.index_copy_(2, self._slots, value_states)
+        return keys[:, :, :self._visible], values[:, :, :self._visible]
+
+    def end_pass(self):
+        self._slots = self._visible = None
+
+    # ---- commit, forking, bytes --------------------------------------------------------------------------------
+    def keep_positions(self, positions):
+        """Commit the tree slots `positions` ((batch, n) int64 on the cache's device, each >= length): their K/V
+        move to [length, length + n) in that order and length grows by n."""
+        batch, n = positions.shape
+        for store in (self.keys, self.values):
+            for t in store.values():
+                if batch == 1:
+                    kept = t.index_select(2, positions[0])
+                else:
+                    kept = t.gather(2, positions[:, None, :, None].expand(batch, t.shape[1], n, t.shape[3]))
+                t[:, :, self.length:self.length + n] = kept
+        self.length += n
+
+    def select(self, rows):
+        """A new StateCache holding rows `rows` ((n,) int64) of this one (forking search trajectories)."""
+        groups = [StateGroup(g.layers, g.conv.index_select(0, rows),
+                             None if g.recurrent is None else g.recurrent.index_select(0, rows)) for g in self.groups]
+        keys = {i: t.index_select(0, rows) for i, t in self.keys.items()}
+        values = {i: t.index_select(0, rows) for i, t in self.values.items()}
+        return StateCache(groups, keys, values, self.length)
+
+    def nbytes(self, positions=None):
+        """Bytes of state per row: every recurrent state, plus `positions` (default: length) attention positions."""
+        positions = self.length if positions is None else positions
+        total = sum(g.conv[0].nbytes + (0 if g.recurrent is None else g.recurrent[0].nbytes) for g in self.groups)
+        for store in (self.keys, self.values):
+            total += sum(t[0, :, :positions].nbytes for t in store.values())
+        return total
+
+
+def _buffer(t, capacity):
+    """A (batch, heads, capacity, dim) buffer whose first t.shape[2] positions are t."""
+    out = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+    out[:, :, :t.shape[2]] = t
+    return out

@@ -1,0 +1,103 @@
+"""HostTree: the structure of a growing batch of token trees, kept on the host and extended as nodes arrive.
+
+A pass needs each node's ancestors (the tree mask), its depth (positions) and, per conv width, the window of
+earlier inputs it sees. All of it follows from the parent of each new node and what that parent already has, so
+it is built here with small numpy operations as the tree grows and copied to the device once per pass, instead
+of being solved on the device (and validated with host syncs) every pass.
+"""
+import numpy as np
+import torch
+
+from ..triton_kernels import TreeIndex
+
+
+class HostTree:
+    """Trees of `batch` rows growing together (every pass adds the same number of nodes to each row).
+
+    parents (batch, n) int64, -1 = child of the committed prefix; mask (batch, n, n) bool, [b, i, k] = k on
+    path(i); depth (batch, n); windows[(width, state_len)] (batch, n, width): the columns of cat(conv_state, x)
+    node i's conv window reads, as triton_kernels.utils.window_index defines them.
+    """
+
+    def __init__(self, batch, window_keys=(), capacity=16):
+        self.batch, self.n = batch, 0
+        self.window_keys = tuple(window_keys)
+        self._alloc(capacity)
+
+    def _alloc(self, capacity):
+        old = getattr(self, "_parents", None)
+        self._parents = np.full((self.batch, capacity), -1, dtype=np.int64)
+        self._mask = np.zeros((self.batch, capacity, capacity), dtype=bool)
+        self._depth = np.zeros((self.batch, capacity), dtype=np.int64)
+        self._windows = {key: np.zeros((self.batch, capacity, key[0]), dtype=np.int64) for key in self.window_keys}
+        if old is not None:
+            n = self.n
+            self._parents[:, :n], self._depth[:, :n] = old[:, :n], self._old_depth[:, :n]
+            self._mask[:, :n, :n] = self._old_mask[:, :n, :n]
+            for key in self.window_keys:
+                self._windows[key][:, :n] = self._old_windows[key][:, :n]
+        self.capacity = capacity
+
+    @property
+    def parents(self):
+        return self._parents[:, :self.n]
+
+    @property
+    def mask(self):
+        return self._mask[:, :self.n, :self.n]
+
+    @property
+    def depth(self):
+        return self._depth[:, :self.n]
+
+    def add(self, parents):
+        """Append nodes: parents (batch, R) ints, each -1 or the id of an earlier node (ids count from 0 over the
+        whole tree, the new nodes being n .. n+R-1). Raises ValueError unless topological. Returns (n_old, n_new)."""
+        parents = np.asarray(parents, dtype=np.int64).reshape(self.batch, -1)
+        n, R = self.n, parents.shape[1]
+        ids = n + np.arange(R)
+        bad = (parents < -1) | (parents >= ids)
+        if bad.any():
+            b, j = map(int, np.argwhere(bad)[0])
+            raise ValueError(f"parents must be -1 or an earlier node (topological order): new node {n + j} of row "
+                             f"{b} has parent {int(parents[b, j])}")
+        if n + R > self.capacity:
+            self._old_mask, self._old_depth, self._old_windows = self._mask, self._depth, self._windows
+            self._alloc(max(n + R, 2 * self.capacity))
+            del self._old_mask, self._old_depth, self._old_windows
+        rows = np.arange(self.batch)
+        for j in range(R):
+            i, p = n + j, parents[:, j]
+            has = p >= 0
+            pc = np.where(has, p, 0)
+            self._parents[:, i] = p
+            self._mask[:, i] = self._mask[rows, pc] & has[:, None]
+            self._mask[:, i, i] = True
+            self._depth[:, i] = np.where(has, self._depth[rows, pc] + 1, 0)
+            for (width, state_len), windows in self._windows.items():
+                # A node's window is its parent's shifted by one, then itself; a root's ends the conv state.
+                root = np.arange(state_len - width, state_len)  # the W newest state columns
+                shifted = np.where(has[:, None], windows[rows, pc], root[None, :])[:, 1:]
+                windows[:, i, :width - 1] = shifted
+                windows[:, i, width - 1] = state_len + i
+        self.n = n + R
+        return n, self.n
+
+    def truncate(self, n):
+        """Forget every node from n on (a failed pass)."""
+        self.n = min(self.n, n)
+
+    def path(self, b, node):
+        """Node ids from the root down to `node` on row b ([] for -1)."""
+        return [] if node < 0 else np.flatnonzero(self._mask[b, node, :node + 1]).tolist()
+
+    def index(self, device):
+        """A TreeIndex of the whole tree so far on `device` (trusted: nothing is validated again)."""
+        n = self.n
+        windows = {key: _tensor(w[:, :n], device) for key, w in self._windows.items()}
+        return TreeIndex.prebuilt(_tensor(self._parents[:, :n], device), _tensor(self._mask[:, :n, :n], device),
+                                  windows)
+
+
+def _tensor(array, device):
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
