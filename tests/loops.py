@@ -81,3 +81,57 @@ def conv_loop(x, weight, bias, parents, conv_state, silu=True):
     if bias is not None:
         out = out + bias.double()
     return F.silu(out) if silu else out
+
+
+def selective_scan_loop(x, dt, A, B, C, parents, D=None, z=None, dt_bias=None, dt_softplus=False,
+                        initial_states=None):
+    """Mamba1 over a tree, node by node in float64. x, dt, z (batch, T, dim); A (dim, N); B, C (batch, T, N).
+    Returns (y (batch, T, dim), states (batch, T, dim, N))."""
+    batch, T, dim = x.shape
+    x, dt, A, B, C = (t.double() for t in (x, dt, A, B, C))
+    if dt_bias is not None:
+        dt = dt + dt_bias.double()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    y = torch.zeros(batch, T, dim, dtype=torch.float64)
+    states = torch.zeros(batch, T, dim, A.shape[1], dtype=torch.float64)
+    for b in range(batch):
+        h_init = initial_states[b].double() if initial_states is not None else torch.zeros_like(A)
+        for i in range(T):
+            p = int(parents[b][i])
+            h = torch.exp(dt[b, i][:, None] * A) * (h_init if p < 0 else states[b, p])
+            h = h + (dt[b, i] * x[b, i])[:, None] * B[b, i][None, :]
+            states[b, i] = h
+            y[b, i] = h @ C[b, i]
+            if D is not None:
+                y[b, i] += D.double() * x[b, i]
+            if z is not None:
+                y[b, i] *= F.silu(z[b, i].double())
+    return y, states
+
+
+def gated_delta_loop(q, k, v, g, beta, parents, initial_state=None, scale=None, use_qk_l2norm=False):
+    """Gated DeltaNet over a tree, node by node in float64. q, k (batch, T, Hk, Dk); v (batch, T, Hv, Dv); g, beta
+    (batch, T, Hv); value head h reads key head h // (Hv // Hk). Returns (o (batch, T, Hv, Dv), states
+    (batch, T, Hv, Dk, Dv))."""
+    batch, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = (t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q * (Dk ** -0.5 if scale is None else scale)
+    head = torch.arange(Hv) // (Hv // Hk)
+    o = torch.zeros(batch, T, Hv, Dv, dtype=torch.float64)
+    states = torch.zeros(batch, T, Hv, Dk, Dv, dtype=torch.float64)
+    for b in range(batch):
+        s_init = (initial_state[b].double() if initial_state is not None
+                  else torch.zeros(Hv, Dk, Dv, dtype=torch.float64))
+        for i in range(T):
+            p = int(parents[b][i])
+            for h in range(Hv):
+                kh, qh = k[b, i, head[h]], q[b, i, head[h]]
+                S = torch.exp(g[b, i, h]) * (s_init[h] if p < 0 else states[b, p, h])
+                S = S + torch.outer(kh, beta[b, i, h] * (v[b, i, h] - S.T @ kh))
+                states[b, i, h] = S
+                o[b, i, h] = S.T @ qh
+    return o, states

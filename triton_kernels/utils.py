@@ -139,8 +139,9 @@ class TreeIndex:
         mask:      (batch, T, T) bool, [b, i, k] = node k is on path(i)
         ancestors: (batch, T, T) float32 0/1 view of mask (ancestor_matrix)
 
-    TreeIndex(parents) validates and solves; TreeIndex.prebuilt(parents, mask, windows) takes structure its caller
-    already derived (stree's drafting builds it on the host as the tree grows) and checks nothing.
+    TreeIndex(parents) validates and solves; TreeIndex.prebuilt(parents, mask, windows, depth) takes structure its
+    caller already derived (stree's drafting builds it on the host as the tree grows) and checks nothing.
+    Recurrences without a closed form walk the tree level by level: depth and levels() give that structure.
     """
 
     def __init__(self, parents):
@@ -150,14 +151,17 @@ class TreeIndex:
         self._ancestors = ancestor_matrix(self.parents)
         self.mask = self._ancestors > 0.5
         self._windows = {}
+        self._depth, self._levels = None, None
 
     @classmethod
-    def prebuilt(cls, parents, mask, windows=None):
+    def prebuilt(cls, parents, mask, windows=None, depth=None):
         """A TreeIndex from trusted structure: parents (batch, T) int64, mask (batch, T, T) bool as above, windows
-        {(length, state_len): (batch, T, length) int64} (see windows()). Nothing is validated or solved."""
+        {(length, state_len): (batch, T, length) int64} (see windows()), depth (batch, T) int64 or None (see
+        depth). Nothing is validated or solved."""
         self = cls.__new__(cls)
         self.parents, self.mask, self._ancestors = parents, mask, None
         self._windows = dict(windows or {})
+        self._depth, self._levels = depth, None
         return self
 
     @property
@@ -181,6 +185,95 @@ class TreeIndex:
             nodes = torch.arange(T, device=self.parents.device).expand(batch, T)
             self._windows[key] = window_index(self.parents, nodes, length, state_len)
         return self._windows[key]
+
+    @property
+    def depth(self):
+        """(batch, T) int64, the number of proper ancestors of each node inside the tree (a root is 0)."""
+        if getattr(self, "_depth", None) is None:
+            self._depth = self.mask.sum(-1) - 1
+        return self._depth
+
+    def levels(self, nodes=None):
+        """The tree's nodes grouped by depth (a Levels), for recurrences walked one level at a time.
+
+        nodes None: every node (computed once and cached). nodes (batch,) int64: only path(nodes[b]) of each row,
+        -1 = none of that row (the walk of an accepted path: one node per row and level).
+        """
+        if nodes is not None:
+            if self.shape[1] == 0:  # nothing to walk (every node is -1)
+                return Levels(self.parents, self.depth)
+            keep = self.mask[torch.arange(self.shape[0], device=nodes.device), nodes.clamp(min=0)]
+            return Levels(self.parents, self.depth, keep & (nodes >= 0)[:, None])
+        if getattr(self, "_levels", None) is None:
+            self._levels = Levels(self.parents, self.depth)
+        return self._levels
+
+
+class Levels:
+    """The nodes of a batch of trees in order of depth, as a level-by-level recurrence walks them.
+
+    Level d holds every row's nodes of depth d; a node's state depends only on its parent's, one level up, so a
+    level is computed at once from the previous one (depth sequential steps) and only two levels of states
+    are alive at a time. Positions below are indices into `order`.
+
+        order:       (n,) int64 flat node ids b*T + i, sorted by (depth, b, i); level d is order[starts[d]:starts[d+1]]
+        rows:        (n,) int64 batch row of each position (order // T)
+        parent_slot: (n,) int64 where the parent's state sits in the previous level (its position minus that level's
+                     start); a root's is its batch row b, so level 0 reads row b of the states before the tree
+        offsets:     (num_levels, batch + 1) int64 positions: row b's nodes of level d are offsets[d, b] ..
+                     offsets[d, b + 1] - 1, and offsets[d, 0] is the level's start
+        sizes:       list of int, nodes per level (on the host); width: the largest (0 for no nodes);
+                     row_width: the most nodes one row has in one level
+
+    Built from parents and depth with one host synchronisation (the level sizes). keep (batch, T) bool, if given,
+    restricts the walk to a set of nodes closed under ancestors (a path, say).
+    """
+
+    def __init__(self, parents, depth, keep=None):
+        batch, T = parents.shape
+        device = parents.device
+        flat_depth = depth.reshape(-1)
+        if keep is not None:
+            flat_depth = flat_depth.masked_fill(~keep.reshape(-1), T)  # T: past every level, sorted last and dropped
+        counts = torch.bincount(flat_depth * batch + torch.arange(batch * T, device=device) // max(T, 1),
+                                minlength=(T + 1) * batch)[:T * batch].view(T, batch)
+        per_row = [row for row in counts.tolist() if sum(row) > 0]  # depths of a closed set are 0, 1, ..., L-1
+        self.sizes = [sum(row) for row in per_row]
+        n, L = sum(self.sizes), len(self.sizes)
+        self.width = max(self.sizes, default=0)
+        self.row_width = max((max(row) for row in per_row), default=0)
+        self.order = torch.argsort(flat_depth, stable=True)[:n]
+        self.rows = self.order // max(T, 1)
+        starts = torch.cat([counts.new_zeros(1), counts[:L].reshape(-1).cumsum(0)])
+        self.offsets = starts[torch.arange(L, device=device)[:, None] * batch + torch.arange(batch + 1, device=device)]
+        level = flat_depth[self.order]
+        slot = torch.arange(n, device=device) - self.offsets[level, 0]
+        slot_of = torch.full((batch * T,), -1, dtype=torch.long, device=device).index_put_((self.order,), slot)
+        parent = parents.reshape(-1)[self.order]
+        self.parent_slot = torch.where(parent >= 0, slot_of[(self.rows * T + parent).clamp(min=0)], self.rows)
+
+    def bounds(self):
+        """(start, end) positions of each level, in order."""
+        start = 0
+        for size in self.sizes:
+            yield start, start + size
+            start += size
+
+
+def walk_levels(levels, initial, step, last=None):
+    """Run a tree recurrence level by level: the PyTorch references' loop.
+
+    initial: (batch, *state) states before the tree. step(start, end, parent_states) -> the states of positions
+    start..end-1 of levels.order, given their parents' states (end - start, *state). last: None, or a
+    (batch, *state) tensor that receives each row's deepest walked state (for a walk of levels(nodes), the
+    state after path(nodes[b]); rows with no node keep what it holds).
+    """
+    prev = initial
+    for start, end in levels.bounds():
+        prev = step(start, end, prev.index_select(0, levels.parent_slot[start:end]))
+        if last is not None:
+            last.index_copy_(0, levels.rows[start:end], prev.to(last.dtype))
+    return last
 
 
 def check_rows(rows, batch, T, device):

@@ -1,0 +1,253 @@
+import importlib
+
+import pytest
+import torch
+
+from loops import BACKENDS, KINDS, gated_delta_loop, path_to, random_rows
+from stree import random_parents
+from stree.triton_kernels import TreeIndex, tree_gated_delta_rule, tree_gated_delta_states
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+HF_MODULES = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
+
+
+def hf_function(module, name):
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+
+
+def make_inputs(parents_rows, key_heads=1, value_heads=2, dk=8, dv=6, seed=0, dtype=torch.float32, device="cpu",
+                h0=True):
+    """Gated-DeltaNet-like inputs: g = -exp(A_log) * softplus(a) < 0, beta = sigmoid(b) in (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, T = len(parents_rows), len(parents_rows[0])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    inputs = dict(q=rnd(batch, T, key_heads, dk), k=rnd(batch, T, key_heads, dk), v=rnd(batch, T, value_heads, dv),
+                  g=(-torch.rand(batch, T, value_heads, generator=g)).to(device),
+                  beta=torch.rand(batch, T, value_heads, generator=g).to(device, dtype),
+                  parents=torch.tensor(parents_rows, device=device, dtype=torch.long))
+    extras = dict(use_qk_l2norm=True,
+                  initial_state=torch.randn(batch, value_heads, dk, dv, generator=g).to(device) if h0 else None)
+    return inputs, extras
+
+
+def cpu(args):
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
+
+
+def state_args(inputs):
+    return {k: v for k, v in inputs.items() if k != "q"}
+
+
+def assert_close(actual, expected, dtype):
+    err = (actual.double().cpu() - expected).abs().max().item()
+    scale = expected.abs().max().item() + 1e-6
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 7, 33])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_gated_delta_matches_loop(backend, kind, T, seed, device):
+    inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=seed), seed=seed, device=device)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    assert o.shape == inputs["v"].shape and o.dtype == inputs["q"].dtype
+    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", ["no_h0", "no_l2norm_scale", "equal_heads", "wide"])
+def test_tree_gated_delta_options(backend, options, device):
+    """No initial state; raw q and k with a given scale; as many key as value heads; head dims over several blocks
+    and not powers of two."""
+    rows = random_rows("random", 12, batch=3, seed=5)
+    shape = dict(equal_heads=dict(key_heads=2, value_heads=2),
+                 wide=dict(value_heads=1, dk=40, dv=70)).get(options, {})
+    inputs, extras = make_inputs(rows, seed=5, device=device, h0=options != "no_h0", **shape)
+    if options == "no_l2norm_scale":
+        extras.update(use_qk_l2norm=False, scale=0.1)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_gated_delta_low_precision(backend, dtype, device):
+    inputs, extras = make_inputs(random_rows("random", 20, batch=2, seed=7), seed=7, dtype=dtype, device=device)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    assert o.dtype == dtype
+    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], dtype)
+
+
+def test_tree_gated_delta_float64_torch_is_exact():
+    inputs, extras = make_inputs(random_rows("random", 25, batch=2, seed=8), seed=8, dtype=torch.float64)
+    extras["initial_state"] = extras["initial_state"].double()
+    o = tree_gated_delta_rule(**inputs, **extras)
+    assert o.dtype == torch.float64
+    o_ref, states = gated_delta_loop(**inputs, **extras)
+    assert_close(o, o_ref, torch.float64)
+    got = tree_gated_delta_states(**state_args(inputs), nodes=torch.tensor([24, -1]), **extras)
+    assert_close(got[0], states[0, 24], torch.float64)
+    assert_close(got[1], extras["initial_state"][1], torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_tree_gated_delta_rows_match_loop(backend, kind, per_row, device):
+    """rows= returns only the chosen nodes (any order, repeats allowed), each equal to the naive loop's output."""
+    T = 23
+    inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=11), seed=11, device=device)
+    g = torch.Generator().manual_seed(12)
+    rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
+            else torch.tensor([T - 1, 0, 5, 5, 12]))
+    o = tree_gated_delta_rule(**inputs, **extras, rows=rows.to(device), backend=backend)
+    o_ref = gated_delta_loop(**cpu(inputs), **cpu(extras))[0]
+    want = torch.stack([o_ref[b, rows[b] if per_row else rows] for b in range(2)])
+    assert o.shape == want.shape
+    assert_close(o, want, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_gated_delta_states_matches_loop(backend, kind, seed, device):
+    T = 23
+    inputs, extras = make_inputs(random_rows(kind, T, batch=3, seed=seed), seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed)
+    nodes = torch.randint(0, T, (3,), generator=g)
+    nodes[0] = -1 if seed == 0 else T - 1
+    states = tree_gated_delta_states(**state_args(inputs), nodes=nodes.to(device), **extras, backend=backend)
+    assert states.shape == extras["initial_state"].shape and states.dtype == torch.float32
+    _, all_states = gated_delta_loop(**cpu(inputs), **cpu(extras))
+    for b in range(3):
+        want = extras["initial_state"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
+        assert_close(states[b], want, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("module", HF_MODULES)
+def test_chain_equals_hf_recurrent_rule(backend, module, device):
+    """On a chain, the tree rule is HF's own token-by-token recurrence (the path its generate takes for each new
+    token) from the cache state, grouped value heads and l2norm included; the commit of the last node is HF's final
+    state. Checked against each model's copy of the function."""
+    T = 9
+    inputs, extras = make_inputs([list(range(-1, T - 1))] * 2, seed=11, device=device)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    args = {k: v for k, v in inputs.items() if k != "parents"}
+    o_hf, final = hf_function(module, "torch_recurrent_gated_delta_rule")(
+        args["q"], args["k"], args["v"], g=args["g"], beta=args["beta"], initial_state=extras["initial_state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
+    last = tree_gated_delta_states(**state_args(inputs), nodes=torch.full((2,), T - 1, device=device), **extras,
+                                   backend=backend)
+    torch.testing.assert_close(last, final, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_path_equals_hf_chunked_rule(backend, device):
+    """Outputs along path(a), and the state after it, equal HF's chunked (prefill) rule over path(a) as a sequence."""
+    T = 30
+    rows = random_rows("random", T, batch=1, seed=4)
+    inputs, extras = make_inputs(rows, seed=4, device=device)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    chunked = hf_function("qwen3_next", "torch_chunk_gated_delta_rule")
+    for a in [0, 9, T - 1]:
+        path = torch.tensor(path_to(rows[0], a), device=device)
+        seq = {k: inputs[k][:, path] for k in ("q", "k", "v", "g", "beta")}
+        o_hf, final = chunked(seq["q"], seq["k"], seq["v"], g=seq["g"], beta=seq["beta"], chunk_size=4,
+                              initial_state=extras["initial_state"], output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o[:, path], o_hf, rtol=1e-4, atol=1e-4)
+        got = tree_gated_delta_states(**state_args(inputs), nodes=torch.tensor([a], device=device), **extras,
+                                      backend=backend)
+        torch.testing.assert_close(got, final, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_row_trees_are_independent(backend, device):
+    """Row b's outputs depend only on row b's tree: a batch equals its rows run one at a time."""
+    rows = [random_parents(16, torch.Generator().manual_seed(s)) for s in range(3)]
+    inputs, extras = make_inputs(rows, seed=9, device=device)
+    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    for b in range(3):
+        one = {k: v[b:b + 1] for k, v in inputs.items()}
+        torch.testing.assert_close(tree_gated_delta_rule(**one, **dict(extras, initial_state=extras["initial_state"]
+                                                                       [b:b + 1]), backend=backend), o[b:b + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
+    """T = 0 gives no outputs and the initial state back; a prebuilt TreeIndex (with a given depth) computes what a
+    solved one does; inputs with permuted strides equal contiguous ones."""
+    inputs, extras = make_inputs(random_rows("random", 10, batch=2, seed=6), seed=6, device=device)
+    empty = {k: v[:, :0] for k, v in inputs.items()}
+    assert tree_gated_delta_rule(**empty, **extras, backend=backend).shape == (2, 0, 2, 6)
+    states = tree_gated_delta_states(**state_args(empty), nodes=torch.tensor([-1, -1], device=device), **extras,
+                                     backend=backend)
+    torch.testing.assert_close(states, extras["initial_state"])
+    solved = TreeIndex(inputs["parents"])
+    prebuilt = TreeIndex.prebuilt(inputs["parents"], solved.mask.clone(), depth=solved.depth.clone())
+    want = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    torch.testing.assert_close(tree_gated_delta_rule(**dict(inputs, parents=prebuilt), **extras, backend=backend,
+                                                     validate=False), want)
+    permuted = inputs["v"].transpose(0, 3).contiguous().transpose(0, 3)  # same values, other strides
+    torch.testing.assert_close(tree_gated_delta_rule(**dict(inputs, v=permuted), **extras, backend=backend), want)
+
+
+def test_levels_group_nodes_by_depth():
+    """TreeIndex.levels: nodes in order of (depth, row, id), parents' slots one level up, per-row offsets; levels of
+    `nodes` walk each row's accepted path alone."""
+    index = TreeIndex(torch.tensor([[-1, 0, 0, 1], [-1, -1, 1, 2]]))
+    assert index.depth.tolist() == [[0, 1, 1, 2], [0, 0, 1, 2]]
+    levels = index.levels()
+    assert levels.sizes == [3, 3, 2] and levels.width == 3 and levels.row_width == 2
+    assert levels.order.tolist() == [0, 4, 5, 1, 2, 6, 3, 7]
+    assert levels.parent_slot.tolist() == [0, 1, 1, 0, 0, 2, 0, 2]
+    assert levels.offsets.tolist() == [[0, 1, 3], [3, 5, 6], [6, 7, 8]]
+    path = index.levels(torch.tensor([3, -1]))
+    assert path.sizes == [1, 1, 1] and path.order.tolist() == [0, 1, 3] and path.rows.tolist() == [0, 0, 0]
+
+
+def _valid():
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+    return dict(inputs, **extras)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(parents=torch.tensor([[-1, 2, 1]])), "topological"),
+    (dict(parents=torch.tensor([[-1, 0]])), "parents must have shape"),
+    (dict(q=torch.zeros(1, 3, 1, 7)), "q must have shape"),
+    (dict(k=torch.zeros(1, 3, 3, 8), q=torch.zeros(1, 3, 3, 8)), "must divide the value heads"),
+    (dict(v=torch.zeros(1, 2, 2, 6)), "v must have shape"),
+    (dict(g=torch.zeros(1, 3, 1)), "g must have shape"),
+    (dict(beta=torch.zeros(1, 3)), "beta must have shape"),
+    (dict(initial_state=torch.zeros(1, 2, 6, 8)), "initial_state must have shape"),
+    (dict(k=torch.zeros(1, 3, 1, 8, dtype=torch.long)), "floating-point"),
+    (dict(scale="0.1"), "scale must be a number"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(rows=torch.tensor([[0, 3]])), "rows must hold node ids"),
+])
+def test_tree_gated_delta_rejects_bad_input(change, message):
+    args = _valid()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_gated_delta_rule(**args)
+
+
+@pytest.mark.parametrize("nodes, message", [(torch.tensor([3]), "out of range"), (torch.tensor([-2]), "out of range"),
+                                            (torch.tensor([0.0]), "integer")])
+def test_tree_gated_delta_states_rejects_bad_nodes(nodes, message):
+    args = state_args(_valid())
+    with pytest.raises(ValueError, match=message):
+        tree_gated_delta_states(**args, nodes=nodes)
+
+
+def test_triton_rejects_float64():
+    args = _valid()
+    args["q"] = args["q"].double()
+    with pytest.raises(ValueError, match="float64"):
+        tree_gated_delta_rule(**args, backend="triton")

@@ -1,0 +1,235 @@
+import pytest
+import torch
+from transformers.models.mamba.modeling_mamba import mamba_selective_scan, mamba_selective_state_update
+
+from loops import BACKENDS, KINDS, path_to, random_rows, selective_scan_loop
+from stree import random_parents
+from stree.triton_kernels import TreeIndex, tree_selective_scan, tree_selective_states
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+def make_inputs(parents_rows, dim=12, dstate=5, seed=0, dtype=torch.float32, device="cpu", h0=True):
+    """Mamba1-like inputs: raw dt around 0 (softplus ~0.7), A = -exp(A_log) in [-1.5, -0.5]."""
+    g = torch.Generator().manual_seed(seed)
+    batch, T = len(parents_rows), len(parents_rows[0])
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    inputs = dict(x=rnd(batch, T, dim), dt=rnd(batch, T, dim, scale=0.5),
+                  A=-torch.rand(dim, dstate, generator=g).add(0.5).to(device), B=rnd(batch, T, dstate),
+                  C=rnd(batch, T, dstate), parents=torch.tensor(parents_rows, device=device, dtype=torch.long))
+    extras = dict(D=rnd(dim), z=rnd(batch, T, dim), dt_bias=torch.randn(dim, generator=g).mul(0.5).to(device),
+                  dt_softplus=True,
+                  initial_states=torch.randn(batch, dim, dstate, generator=g).to(device) if h0 else None)
+    return inputs, extras
+
+
+def cpu(args):
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
+
+
+def no_output_args(extras):
+    return {k: v for k, v in extras.items() if k not in ("D", "z")}
+
+
+def assert_close(actual, expected, dtype):
+    err = (actual.double().cpu() - expected).abs().max().item()
+    scale = expected.abs().max().item() + 1e-6
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 7, 33])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_selective_scan_matches_loop(backend, kind, T, seed, device):
+    inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=seed), seed=seed, device=device)
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    assert y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
+    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", ["no_h0", "no_gate_no_skip", "raw_dt", "wide"])
+def test_tree_selective_scan_options(backend, options, device):
+    """No initial state; no D and z; dt taken as given (no bias, no softplus); dim and dstate over several blocks."""
+    rows = random_rows("random", 12, batch=3, seed=5)
+    shape = dict(dim=70, dstate=16) if options == "wide" else {}
+    inputs, extras = make_inputs(rows, seed=5, device=device, h0=options != "no_h0", **shape)
+    if options == "no_gate_no_skip":
+        extras.update(D=None, z=None)
+    if options == "raw_dt":
+        extras.update(dt_bias=None, dt_softplus=False)
+        inputs["dt"] = inputs["dt"].abs()
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_selective_scan_low_precision(backend, dtype, device):
+    inputs, extras = make_inputs(random_rows("random", 20, batch=2, seed=7), seed=7, dtype=dtype, device=device)
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    assert y.dtype == dtype
+    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], dtype)
+
+
+def test_tree_selective_scan_float64_torch_is_exact():
+    inputs, extras = make_inputs(random_rows("random", 25, batch=2, seed=8), seed=8, dtype=torch.float64)
+    extras["initial_states"] = extras["initial_states"].double()
+    y = tree_selective_scan(**inputs, **extras)
+    assert y.dtype == torch.float64
+    y_ref, states = selective_scan_loop(**inputs, **extras)
+    assert_close(y, y_ref, torch.float64)
+    nodes = torch.tensor([24, -1])
+    got = tree_selective_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=nodes,
+                                **no_output_args(extras))
+    assert_close(got[0], states[0, 24], torch.float64)
+    assert_close(got[1], extras["initial_states"][1], torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_tree_selective_scan_rows_match_loop(backend, kind, per_row, device):
+    """rows= returns only the chosen nodes (any order, repeats allowed), each equal to the naive loop's output."""
+    T = 23
+    inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=11), seed=11, device=device)
+    g = torch.Generator().manual_seed(12)
+    rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
+            else torch.tensor([T - 1, 0, 5, 5, 12]))
+    y = tree_selective_scan(**inputs, **extras, rows=rows.to(device), backend=backend)
+    y_ref = selective_scan_loop(**cpu(inputs), **cpu(extras))[0]
+    want = torch.stack([y_ref[b, rows[b] if per_row else rows] for b in range(2)])
+    assert y.shape == want.shape
+    assert_close(y, want, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_selective_states_matches_loop(backend, kind, seed, device):
+    T = 23
+    inputs, extras = make_inputs(random_rows(kind, T, batch=3, seed=seed), seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed)
+    nodes = torch.randint(0, T, (3,), generator=g)
+    nodes[0] = -1 if seed == 0 else T - 1
+    states = tree_selective_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=nodes.to(device),
+                                   **no_output_args(extras), backend=backend)
+    assert states.shape == extras["initial_states"].shape and states.dtype == torch.float32
+    _, all_states = selective_scan_loop(**cpu(inputs), **cpu(extras))
+    for b in range(3):
+        want = extras["initial_states"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
+        assert_close(states[b], want, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_equals_hf_decode_steps(backend, device):
+    """On a chain, the tree scan is HF's own single-token update (the path greedy generate takes) run token by
+    token from the cache state, gate and skip included; the commit of the last node is HF's final state."""
+    T = 9
+    inputs, extras = make_inputs([list(range(-1, T - 1))] * 2, seed=11, device=device)
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    state = extras["initial_states"].clone()
+    steps = [mamba_selective_state_update(state, inputs["x"][:, t], inputs["dt"][:, t], inputs["A"],
+                                          inputs["B"][:, t], inputs["C"][:, t], extras["D"], z=extras["z"][:, t],
+                                          dt_bias=extras["dt_bias"], dt_softplus=True) for t in range(T)]
+    torch.testing.assert_close(y, torch.stack(steps, 1), rtol=1e-5, atol=1e-5)
+    last = tree_selective_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=torch.full((2,), T - 1,
+                                 device=device), **no_output_args(extras), backend=backend)
+    torch.testing.assert_close(last, state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_path_equals_hf_sequence_scan(backend, device):
+    """tree outputs along path(a), and the state after it, equal HF's sequence scan over path(a) from zeros."""
+    T = 30
+    rows = random_rows("random", T, batch=1, seed=4)
+    inputs, extras = make_inputs(rows, seed=4, device=device, h0=False)
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    for a in [0, 9, T - 1]:
+        path = torch.tensor(path_to(rows[0], a), device=device)
+        seq = {k: inputs[k][:, path].transpose(1, 2) for k in ("x", "dt", "B", "C")}
+        y_hf, final = mamba_selective_scan(seq["x"], seq["dt"], inputs["A"], seq["B"], seq["C"], D=extras["D"],
+                                           z=extras["z"][:, path].transpose(1, 2), delta_bias=extras["dt_bias"],
+                                           delta_softplus=True, return_last_state=True)
+        torch.testing.assert_close(y[:, path], y_hf.transpose(1, 2), rtol=1e-5, atol=1e-5)
+        got = tree_selective_states(**{k: v for k, v in inputs.items() if k != "C"},
+                                    nodes=torch.tensor([a], device=device), **no_output_args(extras), backend=backend)
+        torch.testing.assert_close(got, final, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_row_trees_are_independent(backend, device):
+    """Row b's outputs depend only on row b's tree: a batch equals its rows run one at a time."""
+    rows = [random_parents(16, torch.Generator().manual_seed(s)) for s in range(3)]
+    inputs, extras = make_inputs(rows, seed=9, device=device)
+    y = tree_selective_scan(**inputs, **extras, backend=backend)
+    for b in range(3):
+        one = {k: v if k == "A" else v[b:b + 1] for k, v in inputs.items()}
+        one_extra = {k: v[b:b + 1] if k in ("z", "initial_states") else v for k, v in extras.items()}
+        torch.testing.assert_close(tree_selective_scan(**one, **one_extra, backend=backend), y[b:b + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
+    """T = 0 gives no outputs and the initial state back; a prebuilt TreeIndex (with a given depth) computes what a
+    solved one does; inputs with permuted strides equal contiguous ones."""
+    inputs, extras = make_inputs(random_rows("random", 10, batch=2, seed=6), seed=6, device=device)
+    empty = {k: v[:, :0] if k != "A" else v for k, v in inputs.items()}
+    assert tree_selective_scan(**empty, **{k: v[:, :0] if k == "z" else v for k, v in extras.items()},
+                               backend=backend).shape == (2, 0, 12)
+    states = tree_selective_states(**{k: v for k, v in empty.items() if k != "C"}, nodes=torch.tensor([-1, -1],
+                                   device=device), **no_output_args(extras), backend=backend)
+    torch.testing.assert_close(states, extras["initial_states"])
+    solved = TreeIndex(inputs["parents"])
+    prebuilt = TreeIndex.prebuilt(inputs["parents"], solved.mask.clone(), depth=solved.depth.clone())
+    want = tree_selective_scan(**inputs, **extras, backend=backend)
+    torch.testing.assert_close(tree_selective_scan(**dict(inputs, parents=prebuilt), **extras, backend=backend,
+                                                   validate=False), want)
+    permuted = inputs["x"].transpose(0, 2).contiguous().transpose(0, 2)  # same values, other strides
+    torch.testing.assert_close(tree_selective_scan(**dict(inputs, x=permuted), **extras, backend=backend), want)
+
+
+def _valid():
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+    return dict(inputs, **extras)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(parents=torch.tensor([[-1, 2, 1]])), "topological"),
+    (dict(parents=torch.tensor([[-1, 0]])), "parents must have shape"),
+    (dict(dt=torch.zeros(1, 3, 5)), "dt must have shape"),
+    (dict(A=torch.zeros(12)), "A must have shape"),
+    (dict(B=torch.zeros(1, 3, 4)), "B must have shape"),
+    (dict(C=torch.zeros(1, 3, 4)), "C must have shape"),
+    (dict(D=torch.zeros(12, 5)), "D must have shape"),
+    (dict(z=torch.zeros(1, 3, 11)), "z must have shape"),
+    (dict(dt_bias=torch.zeros(5)), "dt_bias must have shape"),
+    (dict(initial_states=torch.zeros(1, 12, 4)), "initial_states must have shape"),
+    (dict(x=torch.zeros(1, 3, 12, dtype=torch.long)), "floating-point"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(rows=torch.tensor([3])), "rows must hold node ids"),
+])
+def test_tree_selective_scan_rejects_bad_input(change, message):
+    args = _valid()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_selective_scan(**args)
+
+
+@pytest.mark.parametrize("nodes, message", [(torch.tensor([3]), "out of range"), (torch.tensor([0.0]), "integer"),
+                                            (torch.tensor([0, 1]), "nodes must have shape")])
+def test_tree_selective_states_rejects_bad_nodes(nodes, message):
+    args = {k: v for k, v in _valid().items() if k not in ("C", "D", "z")}
+    with pytest.raises(ValueError, match=message):
+        tree_selective_states(**args, nodes=nodes)
+
+
+def test_triton_rejects_float64():
+    args = _valid()
+    args["x"] = args["x"].double()
+    with pytest.raises(ValueError, match="float64"):
+        tree_selective_scan(**args, backend="triton")
