@@ -135,3 +135,34 @@ def test_empty_tree_conv(backend, device):
     state = tree_conv_state(empty["x"], empty["parents"], torch.tensor([-1], device=device), args["conv_state"],
                             backend=backend)
     torch.testing.assert_close(state, args["conv_state"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lfm2_short_conv_is_a_tree_conv_without_activation(backend, device):
+    """LFM2's gated short conv (Lfm2ShortConv: in_proj -> B, C, x; depthwise conv of B*x with a conv_L_cache-wide
+    kernel, no activation; y = C * conv; out_proj) on a chain equals tree_conv1d(B*x, activation=None) gated by C,
+    continuing from HF's own conv state after a prefix (which holds conv_L_cache = width columns); the commit of the
+    chain's last node is HF's conv state after decoding it token by token."""
+    from transformers import DynamicCache, Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+    config = Lfm2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, conv_L_cache=3, conv_bias=True,
+                        layer_types=["conv", "full_attention"], num_attention_heads=2, num_key_value_heads=1,
+                        vocab_size=32)
+    torch.manual_seed(0)
+    mixer = Lfm2ShortConv(config, layer_idx=0).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    prefix, chain = (torch.randn(2, n, 16, generator=g).to(device) for n in (5, 7))
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        mixer(prefix, cache=cache)
+        conv_state = cache.layers[0].conv_states[0].clone()
+        want = torch.cat([mixer(chain[:, t:t + 1], cache=cache) for t in range(chain.shape[1])], dim=1)
+        B, C, x = mixer.in_proj(chain).chunk(3, dim=-1)
+        parents = torch.arange(chain.shape[1], device=device).expand(2, -1) - 1
+        conv = tree_conv1d(B * x, mixer.conv.weight[:, 0], mixer.conv.bias, parents, conv_state, activation=None,
+                           backend=backend)
+        torch.testing.assert_close(mixer.out_proj(C * conv), want)
+        new_state = tree_conv_state(B * x, parents, torch.full((2,), chain.shape[1] - 1, device=device), conv_state,
+                                    backend=backend)
+    assert conv_state.shape[2] == config.conv_L_cache == mixer.conv.weight.shape[2]
+    torch.testing.assert_close(new_state, cache.layers[0].conv_states[0])
