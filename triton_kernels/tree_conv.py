@@ -59,10 +59,11 @@ def tree_conv1d(x, weight, bias, parents, conv_state, *, activation="silu", rows
         _check_conv_weights(x, weight, bias, conv_state, activation)
         rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
     else:
-        index, rows = parents, None if rows is None else rows.long().expand(x.shape[0], -1)
+        index = parents
     silu = activation in ("silu", "swish")
     if resolve_backend(backend, x) == "triton":
         from . import tree_conv_triton
+        rows = rows.expand(x.shape[0], -1) if rows is not None and rows.dim() == 1 else rows
         return tree_conv_triton.tree_conv1d(x, weight, bias, index.parents, conv_state, silu, rows)
     return tree_conv_torch.tree_conv1d(x, weight, bias, index, conv_state, silu, rows)
 

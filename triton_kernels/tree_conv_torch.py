@@ -10,15 +10,22 @@ def _timeline(x, conv_state, dtype):
     return torch.cat([conv_state.transpose(1, 2).to(dtype), x.to(dtype)], dim=1)
 
 
+def _windows(timeline, index):
+    """timeline (batch, L + T, dim) at index (batch, Q, W) -> (batch, Q, W, dim)."""
+    batch, Q, W = index.shape
+    if batch == 1:
+        return timeline[0].index_select(0, index.reshape(-1)).view(1, Q, W, timeline.shape[2])
+    return timeline[torch.arange(batch, device=timeline.device)[:, None, None], index]
+
+
 def tree_conv1d(x, weight, bias, tree, conv_state, silu, rows=None):
-    """See tree_conv.tree_conv1d (inputs already validated; tree: a utils.TreeIndex; rows: None or (batch, R)).
-    Returns (batch, T or R, dim) in x.dtype."""
-    batch = x.shape[0]
+    """See tree_conv.tree_conv1d (inputs already validated; tree: a utils.TreeIndex; rows: None, (R,) or
+    (batch, R)). Returns (batch, T or R, dim) in x.dtype."""
     cd = compute_dtype(x)
-    timeline = _timeline(x, conv_state, cd)
-    index = gather_rows(tree.windows(weight.shape[1], conv_state.shape[2]), rows)
-    windows = timeline[torch.arange(batch, device=x.device)[:, None, None], index]      # (batch, T, W, dim)
-    out = torch.einsum("btwd,dw->btd", windows, weight.to(cd))
+    index = tree.windows(weight.shape[1], conv_state.shape[2])
+    if rows is not None:
+        index = index.index_select(1, rows) if rows.dim() == 1 else gather_rows(index, rows)
+    out = (_windows(_timeline(x, conv_state, cd), index) * weight.to(cd).T).sum(2)
     if bias is not None:
         out = out + bias.to(cd)
     return (F.silu(out) if silu else out).to(x.dtype)
@@ -35,4 +42,4 @@ def tree_conv_state(x, tree, nodes, conv_state):
     index = windows.gather(1, nodes.clamp(min=0)[:, None, None].expand(batch, 1, state_len))[:, 0]
     keep = torch.arange(state_len, device=x.device).expand(batch, state_len)           # nothing accepted
     index = torch.where((nodes >= 0)[:, None], index, keep)
-    return timeline[torch.arange(batch, device=x.device)[:, None], index].transpose(1, 2).contiguous()
+    return _windows(timeline, index[:, None])[:, 0].transpose(1, 2).contiguous()

@@ -81,12 +81,14 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
         _check_dt_limit(dt_limit)
         rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
     else:
-        index, rows = parents, None if rows is None else rows.long().expand(x.shape[0], -1)
+        index = parents
     args = (x, dt, A, B, C, index)
     kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states,
                   rows=rows)
     if resolve_backend(backend, x) == "triton":
         from . import tree_scan_triton
+        if rows is not None and rows.dim() == 1:
+            kwargs["rows"] = rows.expand(x.shape[0], -1)
         return tree_scan_triton.tree_scan(*args, **kwargs)
     return tree_scan_torch.tree_scan(*args, **kwargs)
 

@@ -12,34 +12,49 @@ def _heads(t, nheads):
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
 
 
+def _select(t, rows):
+    """t (batch, T, ...) at node ids rows: None (all), (R,) shared by every batch row, or (batch, R)."""
+    if rows is None:
+        return t
+    return t.index_select(1, rows) if rows.dim() == 1 else gather_rows(t, rows)
+
+
 def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
               dt_limit=(0.0, float("inf")), initial_states=None, rows=None):
-    """See tree_scan.tree_scan (index: a utils.TreeIndex; rows: None or (batch, R) int64). Returns y
-    (batch, T or R, nheads, headdim) in x.dtype."""
+    """See tree_scan.tree_scan (index: a utils.TreeIndex; rows: None, (R,) or (batch, R) int64). Returns y
+    (batch, T or R, nheads, headdim) in x.dtype.
+
+    Few, large operations (this is the CPU production path, where a small model's pass is bound by the number
+    of operations): heads-major (batch, G, heads per group, R, T) weights and two batched matmuls.
+    """
     cd = compute_dtype(x)
-    batch, T, nheads, _ = x.shape
-    ngroups = B.shape[2]
+    batch, T, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2:]
+    per_group = nheads // ngroups
     dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     # Queries are the requested rows; keys are every node (only a query's ancestors count).
-    mask_q, s_q, C_q, x_q = (gather_rows(t, rows) for t in (mask, s, C, x))
+    mask_q, s_q, C_q = _select(mask, rows), _select(s, rows), _select(C, rows).to(cd)
     R = mask_q.shape[1]
-    xf, Cf = x.to(cd), C_q.to(cd)
     # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
     # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
     on_path = mask_q[:, None]
     weight = (s_q.transpose(1, 2)[..., :, None] - s.transpose(1, 2)[..., None, :]).masked_fill_(~on_path, 0.0)
-    weight = weight.exp_().mul_(on_path).mul_(dt.transpose(1, 2)[:, :, None, :])
-    weight = weight.view(batch, ngroups, nheads // ngroups, R, T)
-    weight = weight.mul_(torch.einsum("bign,bkgn->bgik", Cf, B.to(cd))[:, :, None]).view(batch, nheads, R, T)
-    y = torch.einsum("bhik,bkhp->bihp", weight, xf)
+    weight = weight.exp_().mul_(on_path).mul_(dt.transpose(1, 2)[:, :, None, :])      # (batch, H, R, T)
+    scores = torch.matmul(C_q.transpose(1, 2), B.to(cd).permute(0, 2, 3, 1))          # (batch, G, R, T)
+    weight = weight.view(batch, ngroups, per_group, R, T).mul_(scores[:, :, None])
+    y = torch.matmul(weight.view(batch, nheads, R, T), x.to(cd).transpose(1, 2))      # (batch, H, R, P)
     if initial_states is not None:
-        # One GEMM per group: (heads_in_group * headdim, dstate) @ (dstate, R), read straight from the state.
-        h0 = initial_states.to(cd).view(batch, ngroups, -1, initial_states.shape[-1])
-        from_h0 = torch.matmul(h0, Cf.permute(0, 2, 3, 1))                       # (batch, G, heads*P, R)
-        y += from_h0.view(batch, nheads, -1, R).permute(0, 3, 1, 2).mul_(s_q.exp()[..., None])
+        # One GEMM per group: (R, dstate) @ (dstate, heads_in_group * headdim), read straight from the state.
+        h0 = initial_states.to(cd).view(batch, ngroups, per_group * headdim, dstate)
+        from_h0 = torch.matmul(C_q.transpose(1, 2), h0.transpose(2, 3))              # (batch, G, R, heads*P)
+        from_h0 = from_h0.view(batch, ngroups, R, per_group, headdim).transpose(2, 3)
+        y = y.view(batch, ngroups, per_group, R, headdim).addcmul_(
+            from_h0, s_q.exp().transpose(1, 2).reshape(batch, ngroups, per_group, R, 1)).view(batch, nheads, R,
+                                                                                                 headdim)
+    y = y.transpose(1, 2)                                                                # (batch, R, H, P)
     if D is not None:
         Df = D.to(cd)
-        y.addcmul_(x_q.to(cd), Df[:, None] if Df.dim() == 1 else Df)
+        y = y.addcmul(_select(x, rows).to(cd), Df[:, None] if Df.dim() == 1 else Df)
     return y.to(x.dtype)
 
 

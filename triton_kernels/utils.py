@@ -277,8 +277,8 @@ def walk_levels(levels, initial, step, last=None):
 
 
 def check_rows(rows, batch, T, device):
-    """Validate `rows`, the node ids whose outputs a kernel computes: None (every node), (R,) or (batch, R) integer,
-    each in [0, T). Returns None or a (batch, R) int64 tensor."""
+    """Validate `rows`, the node ids whose outputs a kernel computes: None (every node), (R,) (the same nodes of
+    every tree) or (batch, R) integer, each in [0, T). Returns None or an int64 tensor of the same shape."""
     if rows is None:
         return None
     if not isinstance(rows, torch.Tensor) or rows.dim() not in (1, 2):
@@ -288,8 +288,7 @@ def check_rows(rows, batch, T, device):
     if rows.device != device:
         raise ValueError(f"rows is on {rows.device} but the inputs are on {device}")
     rows = rows.long()
-    rows = rows.expand(batch, -1) if rows.dim() == 1 else rows
-    if rows.shape[0] != batch:
+    if rows.dim() == 2 and rows.shape[0] != batch:
         raise ValueError(f"rows has batch {rows.shape[0]}, the inputs have {batch}")
     if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < T:
         raise ValueError(f"rows must hold node ids in [0, {T}), got {rows.tolist()}")

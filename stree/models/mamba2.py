@@ -27,7 +27,7 @@ class Mamba2Layers:
     Buffers over the tree's node slots (capacity >= nodes in the tree), per layer j:
         xbc[:, :, j]   (batch, capacity, conv_dim)  pre-conv inputs
         conv[:, :, j]  (batch, capacity, conv_dim)  post-conv [x | B | C]
-        dt[:, :, j]    (batch, capacity, nheads)    raw dt
+        dt[:, :, j]    (batch, capacity, nheads)    softplus(dt + dt_bias), in the model dtype as HF's decode step
     """
 
     def __init__(self, mixers, group):
@@ -38,7 +38,6 @@ class Mamba2Layers:
         # Per-layer constants, stacked along heads for the commit.
         self.A = [-torch.exp(m.A_log.float()) for m in mixers]
         self.A_all = torch.cat(self.A)
-        self.dt_bias_all = torch.cat([m.dt_bias for m in mixers])
         self.capacity = 0
 
     def reserve(self, capacity):
@@ -73,7 +72,7 @@ class Mamba2Layers:
             projected = projected * mixer.mup_vector
         gate, xbc, dt = projected.split([I, I + 2 * GN, H], dim=-1)
         self.xbc[:, start:end, j] = xbc
-        self.dt[:, start:end, j] = dt
+        self.dt[:, start:end, j] = F.softplus(dt + mixer.dt_bias.to(dt.dtype))
         # Only the new nodes are computed; the earlier ones act as their ancestors through the buffers.
         conv = tree_conv1d(self.xbc[:, :end, j], mixer.conv1d.weight[:, 0], mixer.conv1d.bias, tree_pass.index,
                            conv_state, activation=mixer.activation, rows=tree_pass.rows, validate=False)
@@ -81,8 +80,7 @@ class Mamba2Layers:
         seen = self.conv[:, :end, j]
         y = tree_scan(seen[..., :I].unflatten(-1, (H, P)), self.dt[:, :end, j], self.A[j],
                       seen[..., I:I + GN].unflatten(-1, (G, N)), seen[..., I + GN:].unflatten(-1, (G, N)),
-                      tree_pass.index, D=mixer.D, dt_bias=mixer.dt_bias, dt_softplus=True, initial_states=ssm_state,
-                      rows=tree_pass.rows, validate=False)
+                      tree_pass.index, D=mixer.D, initial_states=ssm_state, rows=tree_pass.rows, validate=False)
         y = y.reshape(batch, R, I)
         if falcon and not mixer.mamba_rms_norm:
             y = y * F.silu(gate)
@@ -100,8 +98,7 @@ class Mamba2Layers:
         x = seen[..., :I].reshape(batch, T, n * H, P)
         B = seen[..., I:I + GN].reshape(batch, T, n * G, N)
         states = tree_states(x, self.dt[:, :T].reshape(batch, T, n * H), self.A_all, B, index, nodes,
-                             dt_bias=self.dt_bias_all, dt_softplus=True, initial_states=self.group.recurrent,
-                             validate=False)
+                             initial_states=self.group.recurrent, validate=False)
         conv = tree_conv_state(self.xbc[:, :T].reshape(batch, T, -1), index, nodes, self.group.conv, validate=False)
         self.group.recurrent.copy_(states)
         self.group.conv.copy_(conv)
