@@ -82,7 +82,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, parents, *, initial_state=None, scal
         index = _check_inputs(k, v, g, beta, parents, q=q, initial_state=initial_state, scale=scale)
         rows = check_rows(rows, k.shape[0], k.shape[1], k.device)
     else:
-        index, rows = parents, None if rows is None else rows.long().expand(k.shape[0], -1)
+        index = parents
+    rows = None if rows is None else rows.long().expand(k.shape[0], -1)  # (R,): the same nodes of every tree
     qs, ks = prepare_qk(q, k, scale, use_qk_l2norm, compute_dtype(q))
     args = (qs, ks, v, g, beta, index)
     if resolve_backend(backend, q) == "triton":

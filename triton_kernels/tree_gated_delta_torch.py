@@ -25,9 +25,11 @@ def _inputs(q, k, v, g, beta, levels, dtype):
 def _update(S, k, v, decay, beta):
     """S (n, H, Dk, Dv) parents' states, updated in place: S *= decay; S += k ⊗ beta (v - Sᵀk).
     k (n, H, Dk); v (n, H, Dv); decay, beta (n, H)."""
+    n, H, Dk, Dv = S.shape
     S.mul_(decay[..., None, None])
     delta = (v - torch.matmul(k[..., None, :], S)[..., 0, :]) * beta[..., None]
-    return S.add_(k[..., :, None] * delta[..., None, :])
+    # The rank-1 write as an in-place batched GEMM: no (n, H, Dk, Dv) temporary (the states are memory-bound).
+    return S.view(n * H, Dk, Dv).baddbmm_(k.reshape(n * H, Dk, 1), delta.reshape(n * H, 1, Dv)).view(n, H, Dk, Dv)
 
 
 def _initial(initial_state, shape, dtype, device):

@@ -5,10 +5,11 @@ Per channel d of the intermediate size, with a state of N numbers (A = -exp(A_lo
     h_i = exp(dt_i ⊙ A) ⊙ h_parent(i) + (dt_i ⊙ x_i) ⊗ B_i           (h_i, A: (dim, N); B_i, C_i: (N,))
     y_i = (h_i · C_i + D ⊙ x_i) ⊙ silu(z_i)                         (z optional: HF applies the gate here)
 
-A per-channel A has no cheap masked quadratic form (the decay differs for every (d, n), so a closed form needs
-T x T x dim x N terms), hence both backends run the exact level-by-level recurrence: all nodes of one depth
-are updated at once from their parents' states, in `depth` sequential steps, holding two levels of states
-(see utils.Levels). Operations follow HF's single-token decode path (``mamba_selective_state_update``), which
+With a per-channel A the masked closed form (Mamba2's, DESIGN.md §2) needs a decay per (node, ancestor, channel,
+state) pair: T x T x dim x N terms against the recurrence's T x dim x N. Measured on CPU at Mamba-130m to Jamba
+shapes (benchmarks/selective_scan_methods.py) it costs 1.0-1.4x the recurrence at T = 1 and 20-70x at T = 16-32,
+so both backends run the exact level-by-level recurrence: all nodes of one depth are updated at once from their
+parents' states, in `depth` sequential steps, holding two levels of states (see utils.Levels). Operations follow HF's single-token decode path (``mamba_selective_state_update``), which
 HF's greedy generate runs every new token through: dt gets dt_bias and softplus in dt's own dtype, then
 everything accumulates in fp32 (fp64 for fp64 inputs; HF itself upcasts to fp32 only).
 """
@@ -71,7 +72,8 @@ def tree_selective_scan(x, dt, A, B, C, parents, *, D=None, z=None, dt_bias=None
         index = _check_inputs(x, dt, A, B, parents, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states)
         rows = check_rows(rows, x.shape[0], x.shape[1], x.device)
     else:
-        index, rows = parents, None if rows is None else rows.long().expand(x.shape[0], -1)
+        index = parents
+    rows = None if rows is None else rows.long().expand(x.shape[0], -1)  # (R,): the same nodes of every tree
     dt = selective_dt(dt, dt_bias, dt_softplus, compute_dtype(x))
     kwargs = dict(D=D, z=z, initial_states=initial_states, rows=rows)
     if resolve_backend(backend, x) == "triton":

@@ -23,7 +23,7 @@ def _initial(initial_states, batch, dim, dstate, dtype, device):
 
 def _update(h, dt, x, B, A):
     """h (n, dim, N) parents' states, updated in place: h * exp(dt*A) + (dt*B) * x. dt, x (n, dim); B (n, N)."""
-    return h.mul_(torch.exp(dt[..., None] * A)).add_((dt[..., None] * B[:, None, :]).mul_(x[..., None]))
+    return h.mul_((dt[..., None] * A).exp_()).add_((dt[..., None] * B[:, None, :]).mul_(x[..., None]))
 
 
 def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states=None, rows=None):
