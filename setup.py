@@ -1,5 +1,5 @@
 """Install the `stree` namespace: stree/ itself, triton_kernels/ as stree.triton_kernels, distill/ as
-stree.distill (DESIGN.md §4: nothing is installed outside `stree`)."""
+stree.distill (docs/design.md §5: nothing is installed outside `stree`)."""
 from setuptools import setup
 
 setup(

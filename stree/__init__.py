@@ -6,10 +6,11 @@ from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
-           "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable"]
+           "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable", "demo_pair"]
 
 _LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models", "StaticTree": ".draft",
-         "DynamicTree": ".draft", "BeamTree": ".draft", "enable": ".dropin", "disable": ".dropin"}
+         "DynamicTree": ".draft", "BeamTree": ".draft", "enable": ".dropin", "disable": ".dropin",
+         "demo_pair": ".demo"}
 
 
 def __getattr__(name):

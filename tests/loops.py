@@ -1,6 +1,6 @@
 """Naive per-node sequential loops: the independent references the kernels are tested against.
 
-Every function walks the tree node by node in float64, exactly as the recurrence is written in DESIGN.md §2.
+Every function walks the tree node by node in float64, exactly as the recurrence is written in docs/design.md §2.
 """
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """Depthwise causal conv1d over a token tree, and the conv-state commit: public entry points and checks.
 
 Node i's window is [u_{a_{W-1}}, ..., u_{a_1}, u_i] with a_1 = parent(i), a_2 = parent(a_1), ...; once the
-path leaves the tree the window continues into conv_state, newest column last (DESIGN.md §2).
+path leaves the tree the window continues into conv_state, newest column last (docs/design.md §2).
 """
 from . import tree_conv_torch
 from .utils import check_float, check_nodes, check_rows, check_shape, resolve_backend, tree_index

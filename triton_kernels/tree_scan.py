@@ -1,6 +1,6 @@
 """Tree-masked Mamba2 SSD scan: public entry points, input checks and backend dispatch.
 
-Math (DESIGN.md §2), per head, with s_i = sum of dt_k*A over k on path(i):
+Math (docs/design.md §2), per head, with s_i = sum of dt_k*A over k on path(i):
 
     y_i = exp(s_i)·(C_i·h0) + sum_{k on path(i)} exp(s_i - s_k)·dt_k·(C_i·B_k)·x_k + D·x_i
     h_a = exp(s_a)·h0       + sum_{k on path(a)} exp(s_a - s_k)·dt_k·x_k ⊗ B_k
