@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft import DynamicTree, StaticTree, draft_tree, tree_spec
+from .draft import DynamicTree, draft_tree, tree_shapes, tree_spec
 from .models import TreeModel
 from .sampling import Sampler, sample
 from .verify import verify_greedy, verify_sampling
@@ -101,7 +101,7 @@ def eos_ids(eos_token_id):
 @torch.no_grad()
 def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
              eos_token_id=None, tree=DEFAULT_TREE, return_stats=False, min_new_tokens=0, generator=None,
-             streamer=None, stopping_criteria=None):
+             streamer=None, stopping_criteria=None, compile=False):
     """Speculative tree decoding whose output is distributed exactly as the target's own decoding.
 
     Args:
@@ -122,6 +122,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         generator: torch.Generator (CPU) for the random draws when sampling; None = the global RNG.
         streamer: an HF streamer (e.g. TextStreamer): gets the prompt, then each round's new tokens, then end().
         stopping_criteria: an HF StoppingCriteriaList, checked after every new token as HF does.
+        compile: run every draft and target pass with fixed shapes through torch.compile (inductor on CPU, CUDA
+            graphs on CUDA). The first call per model and tree shape pays the compilation (tens of seconds on a
+            CPU); later calls reuse it. Off by default: see the README for when it pays.
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
@@ -163,12 +166,13 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
 
     done = max_new_tokens == 0
     if not done:
-        max_length = input_ids.shape[1] + max_new_tokens + _tree_capacity(spec)
-        target = TreeModel(model)
+        target_nodes, draft_nodes, draft_width = tree_shapes(spec) if spec is not None else (1, 1, 1)
+        max_length = input_ids.shape[1] + max_new_tokens + draft_nodes
+        target = _tree_model(model, compile, target_nodes, target_nodes)
         with clock("prefill_time"):
             root = pick(target.prefill(input_ids, max_length=max_length)[0])
             if draft_model is not None:
-                draft = TreeModel(draft_model)
+                draft = _tree_model(draft_model, compile, draft_nodes, draft_width)
                 draft.prefill(input_ids, max_length=max_length)
         done = emit([root])
         trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree
@@ -219,19 +223,12 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     return (output, stats) if return_stats else output
 
 
-def _tree_capacity(spec):
-    """An upper bound on the nodes one round's draft tree holds (trunk included): attention positions to reserve
-    past the output."""
-    if spec is None:
-        return 1
-    if isinstance(spec, StaticTree):
-        grown, level = 0, 1
-        for width in spec.branching:
-            level *= width
-            grown += level
-        levels = len(spec.branching)
-    elif isinstance(spec, DynamicTree):
-        grown, levels = spec.depth * spec.frontier * spec.top_k, spec.depth
-    else:
-        grown, levels = spec.beams * spec.steps, spec.steps
-    return grown + levels + 2
+def _tree_model(model, compile, nodes, pass_width):
+    """A TreeModel of `model`: a new eager one, or with compile=True the compiled one kept on the model for these
+    shapes (so compilation is paid once per model and tree shape)."""
+    if not compile:
+        return TreeModel(model, nodes=nodes)
+    kept = model.__dict__.setdefault("_stree_compiled", {})
+    if (nodes, pass_width) not in kept:
+        kept[nodes, pass_width] = TreeModel(model, nodes=nodes, pass_width=pass_width).compile()
+    return kept[nodes, pass_width]

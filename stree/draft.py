@@ -68,6 +68,26 @@ def tree_spec(tree):
     return StaticTree(tuple(tree))
 
 
+def tree_shapes(spec):
+    """Upper bounds of what one round builds with `spec`, for fixed-shape passes:
+    (target tree nodes, draft node slots, new draft nodes per pass). The draft's trunk (its first pass) holds at
+    most 2 tokens: every drafted node but the last level is fed to the draft, so at most one accepted node is
+    not in its cache, plus the bonus token."""
+    if isinstance(spec, StaticTree):
+        levels, width = [], 1
+        for b in spec.branching:
+            width *= b
+            levels.append(width)
+        grown, per_pass = sum(levels), max(levels)
+    elif isinstance(spec, DynamicTree):
+        grown, per_pass = spec.depth * spec.frontier * spec.top_k, spec.frontier * spec.top_k
+    else:
+        grown, per_pass = spec.beams * spec.steps, spec.beams
+    target_nodes = 1 + (min(grown, spec.budget) if isinstance(spec, DynamicTree) else grown)
+    per_pass = max(per_pass, 2)
+    return target_nodes, 2 + grown + per_pass, per_pass
+
+
 @dataclass
 class DraftedTree:
     """A drafted tree, trunk first. Node lists are in topological order."""

@@ -8,8 +8,8 @@ Two kinds of layer state, keyed by the HF layer index:
     [0, length) hold the committed sequence, the slots after it the uncommitted tree's nodes.
 
 During a pass the model's own attention modules call `update(k, v, layer_idx)` as they would on HF's cache; the
-pass first says where the new keys go and how many positions to return (`begin_pass`). Forking rows for search and
-counting bytes live here too.
+pass first says where the new keys go (`begin_pass`); attention always sees the whole buffer, so no shape depends on
+the sequence length. Forking rows for search and counting bytes live here too.
 """
 import torch
 
@@ -42,8 +42,7 @@ class StateCache:
         for group in groups:
             for j, layer in enumerate(group.layers):
                 self.conv[layer], self.recurrent[layer] = group.slices(j)
-        self._slots = None      # (start, end) positions the current pass writes, or a (R,) index tensor
-        self._visible = None    # positions the current pass attends to: keys[..., :visible, :]
+        self._slots = None      # (R,) positions the current pass writes its keys/values to
 
     @property
     def batch(self):
@@ -82,6 +81,24 @@ class StateCache:
             groups.append(StateGroup(layers, conv, None if recs[0] is None else torch.cat(recs, dim=1)))
         return cls(groups, keys, values, length)
 
+    def load(self, other):
+        """Copy `other`'s states into this cache's tensors if every layout and shape agrees (True), else do
+        nothing (False). Keeps tensor identities, which compiled passes are specialised on."""
+        layouts = [(g.layers, g.conv.shape, None if g.recurrent is None else g.recurrent.shape) for g in self.groups]
+        if layouts != [(g.layers, g.conv.shape, None if g.recurrent is None else g.recurrent.shape)
+                       for g in other.groups] or {i: t.shape for i, t in self.keys.items()} != {
+                           i: t.shape for i, t in other.keys.items()}:
+            return False
+        for mine, theirs in zip(self.groups, other.groups):
+            mine.conv.copy_(theirs.conv)
+            if mine.recurrent is not None:
+                mine.recurrent.copy_(theirs.recurrent)
+        for store, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for i, t in store.items():
+                t.copy_(theirs[i])
+        self.length = other.length
+        return True
+
     def reserve(self, positions):
         """Make every attention buffer hold at least `positions` positions (grows by doubling; eager use only)."""
         capacity = self.capacity
@@ -93,28 +110,23 @@ class StateCache:
                 store[i] = _buffer(t, new)
 
     # ---- the pass protocol of HF attention modules -------------------------------------------------------------
-    def begin_pass(self, slots, visible):
-        """The next pass writes its new keys/values at `slots` ((start, end) or a (R,) index tensor) and attends
-        to positions [0, visible)."""
-        self._slots, self._visible = slots, visible
+    def begin_pass(self, slots):
+        """The next pass writes its new keys/values at positions `slots` ((R,) int64 on the device); its
+        attention modules see every position of the buffers (the pass's mask hides the unused ones)."""
+        self._slots = slots
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """HF's Cache.update: store the pass's new keys/values (batch, kv_heads, R, head_dim); return the keys and
-        values the pass attends to, (batch, kv_heads, visible, head_dim)."""
+        """HF's Cache.update: store the pass's new keys/values (batch, kv_heads, R, head_dim) at the pass's slots;
+        return the whole buffers (batch, kv_heads, capacity, head_dim)."""
         if self._slots is None:
             raise RuntimeError("StateCache.update outside a pass")
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if isinstance(self._slots, tuple):
-            start, end = self._slots
-            keys[:, :, start:end] = key_states
-            values[:, :, start:end] = value_states
-        else:
-            keys.index_copy_(2, self._slots, key_states)
-            values.index_copy_(2, self._slots, value_states)
-        return keys[:, :, :self._visible], values[:, :, :self._visible]
+        keys.index_copy_(2, self._slots, key_states)
+        values.index_copy_(2, self._slots, value_states)
+        return keys, values
 
     def end_pass(self):
-        self._slots = self._visible = None
+        self._slots = None
 
     # ---- commit, forking, bytes --------------------------------------------------------------------------------
     def keep_positions(self, positions):

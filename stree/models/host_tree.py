@@ -8,7 +8,6 @@ of being solved on the device (and validated with host syncs) every pass.
 import numpy as np
 import torch
 
-from ..triton_kernels import TreeIndex
 
 
 class HostTree:
@@ -61,10 +60,7 @@ class HostTree:
             b, j = map(int, np.argwhere(bad)[0])
             raise ValueError(f"parents must be -1 or an earlier node (topological order): new node {n + j} of row "
                              f"{b} has parent {int(parents[b, j])}")
-        if n + R > self.capacity:
-            self._old_mask, self._old_depth, self._old_windows = self._mask, self._depth, self._windows
-            self._alloc(max(n + R, 2 * self.capacity))
-            del self._old_mask, self._old_depth, self._old_windows
+        self.reserve(max(n + R, 2 * self.capacity) if n + R > self.capacity else 0)
         rows = np.arange(self.batch)
         for j in range(R):
             i, p = n + j, parents[:, j]
@@ -91,13 +87,33 @@ class HostTree:
         """Node ids from the root down to `node` on row b ([] for -1)."""
         return [] if node < 0 else np.flatnonzero(self._mask[b, node, :node + 1]).tolist()
 
-    def index(self, device):
-        """A TreeIndex of the whole tree so far on `device` (trusted: nothing is validated again)."""
-        n = self.n
-        windows = {key: _tensor(w[:, :n], device) for key, w in self._windows.items()}
-        return TreeIndex.prebuilt(_tensor(self._parents[:, :n], device), _tensor(self._mask[:, :n, :n], device),
-                                  windows)
+    def reserve(self, capacity):
+        """Hold at least `capacity` node slots."""
+        if capacity > self.capacity:
+            self._old_mask, self._old_depth, self._old_windows = self._mask, self._depth, self._windows
+            self._alloc(capacity)
+            del self._old_mask, self._old_depth, self._old_windows
 
+    def pass_inputs(self, start, width, length, device):
+        """What a pass over nodes start .. start+width-1 needs, over all `capacity` slots (fixed shapes: slots past
+        the tree are nobody's ancestors), copied to `device` in one transfer:
 
-def _tensor(array, device):
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+            rows (width,) node ids; positions (batch, width) = length + depth (padding rows: length);
+            parents (batch, capacity); mask (batch, capacity, capacity) bool;
+            windows {(width, state_len): (batch, capacity, width)}; length () = committed tokens.
+        """
+        if start + width > self.capacity:
+            raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
+        batch, capacity = self.batch, self.capacity
+        rows = np.arange(start, start + width)
+        depth = np.where(rows < self.n, self._depth[:, rows], 0)
+        parts = [rows, length + depth, self._parents, self._mask, *self._windows.values(), np.array([length])]
+        packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]))
+        flat = packed.to(device)
+        sizes = [p.size for p in parts]
+        pieces = flat.split(sizes)
+        out = dict(rows=pieces[0], positions=pieces[1].view(batch, width), parents=pieces[2].view(batch, capacity),
+                   mask=pieces[3].view(batch, capacity, capacity).bool(), length=pieces[-1].view(()))
+        out["windows"] = {key: piece.view(batch, capacity, key[0])
+                          for key, piece in zip(self._windows, pieces[4:-1])}
+        return out

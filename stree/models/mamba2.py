@@ -24,10 +24,11 @@ def is_mamba2_mixer(module):
 class Mamba2Layers:
     """The Mamba2 mixers of one StateGroup (mixers[j] owns slice j of group.conv / group.recurrent).
 
-    Buffers over the tree's node slots (capacity >= nodes in the tree), per layer j:
-        xbc[:, :, j]   (batch, capacity, conv_dim)  pre-conv inputs
-        conv[:, :, j]  (batch, capacity, conv_dim)  post-conv [x | B | C]
-        dt[:, :, j]    (batch, capacity, nheads)    softplus(dt + dt_bias), in the model dtype as HF's decode step
+    Buffers over the tree's node slots (every pass reads all `capacity` slots, so its shapes never change;
+    slots past the tree are nobody's ancestors), per layer j:
+        xbc[j]   (batch, capacity, conv_dim)  pre-conv inputs
+        conv[j]  (batch, capacity, conv_dim)  post-conv [x | B | C]
+        dt[j]    (batch, capacity, nheads)    softplus(dt + dt_bias), in the model dtype as HF's decode step
     """
 
     def __init__(self, mixers, group):
@@ -35,9 +36,8 @@ class Mamba2Layers:
         m = mixers[0]
         self.dims = (m.intermediate_size, m.n_groups * m.ssm_state_size, m.num_heads, m.head_dim, m.n_groups,
                      m.ssm_state_size)
-        # Per-layer constants, stacked along heads for the commit.
         self.A = [-torch.exp(m.A_log.float()) for m in mixers]
-        self.A_all = torch.cat(self.A)
+        self.A_all = torch.cat(self.A)  # stacked along heads for the commit
         self.capacity = 0
 
     def reserve(self, capacity):
@@ -45,24 +45,24 @@ class Mamba2Layers:
         if capacity <= self.capacity:
             return
         conv = self.group.conv
-        batch, n, width = conv.shape[0], len(self.mixers), conv.shape[1] // len(self.mixers)
+        n, batch, width = len(self.mixers), conv.shape[0], conv.shape[1] // len(self.mixers)
         old = (self.xbc, self.conv, self.dt) if self.capacity else None
-        self.xbc = conv.new_zeros(batch, capacity, n, width)
-        self.conv = conv.new_zeros(batch, capacity, n, width)
-        self.dt = conv.new_zeros(batch, capacity, n, self.dims[2])
+        self.xbc = conv.new_zeros(n, batch, capacity, width)
+        self.conv = conv.new_zeros(n, batch, capacity, width)
+        self.dt = conv.new_zeros(n, batch, capacity, self.dims[2])
         if old is not None:
             for new, kept in zip((self.xbc, self.conv, self.dt), old):
-                new[:, :kept.shape[1]] = kept
+                new[:, :, :kept.shape[2]] = kept
         self.capacity = capacity
 
     def forward(self, j, hidden_states, tree_pass, conv_state, ssm_state):
-        """Layer j over the pass's new nodes. hidden_states (batch, R, hidden) of nodes tree_pass.start..end-1;
-        conv_state (batch, conv_dim, K) / ssm_state (batch, nheads, headdim, dstate): the layer's cached states
+        """Layer j over the pass's new nodes. hidden_states (batch, R, hidden) of nodes tree_pass.rows (R,);
+        conv_state (batch, conv_dim, K) / ssm_state (batch, nheads, headdim, dstate): the layer's committed states
         (read only). Returns (batch, R, hidden)."""
         mixer = self.mixers[j]
         I, GN, H, P, G, N = self.dims
         batch, R, _ = hidden_states.shape
-        start, end = tree_pass.start, tree_pass.end
+        rows, index = tree_pass.rows, tree_pass.index
         dtype = hidden_states.dtype
         falcon = hasattr(mixer, "mup_vector")
         if falcon:
@@ -71,16 +71,15 @@ class Mamba2Layers:
         if falcon:
             projected = projected * mixer.mup_vector
         gate, xbc, dt = projected.split([I, I + 2 * GN, H], dim=-1)
-        self.xbc[:, start:end, j] = xbc
-        self.dt[:, start:end, j] = F.softplus(dt + mixer.dt_bias.to(dt.dtype))
+        self.xbc[j].index_copy_(1, rows, xbc)
+        self.dt[j].index_copy_(1, rows, F.softplus(dt + mixer.dt_bias.to(dt.dtype)))
         # Only the new nodes are computed; the earlier ones act as their ancestors through the buffers.
-        conv = tree_conv1d(self.xbc[:, :end, j], mixer.conv1d.weight[:, 0], mixer.conv1d.bias, tree_pass.index,
-                           conv_state, activation=mixer.activation, rows=tree_pass.rows, validate=False)
-        self.conv[:, start:end, j] = conv
-        seen = self.conv[:, :end, j]
-        y = tree_scan(seen[..., :I].unflatten(-1, (H, P)), self.dt[:, :end, j], self.A[j],
-                      seen[..., I:I + GN].unflatten(-1, (G, N)), seen[..., I + GN:].unflatten(-1, (G, N)),
-                      tree_pass.index, D=mixer.D, initial_states=ssm_state, rows=tree_pass.rows, validate=False)
+        conv = tree_conv1d(self.xbc[j], mixer.conv1d.weight[:, 0], mixer.conv1d.bias, index, conv_state,
+                           activation=mixer.activation, rows=rows, validate=False)
+        seen = self.conv[j].index_copy_(1, rows, conv)
+        y = tree_scan(seen[..., :I].unflatten(-1, (H, P)), self.dt[j], self.A[j],
+                      seen[..., I:I + GN].unflatten(-1, (G, N)), seen[..., I + GN:].unflatten(-1, (G, N)), index,
+                      D=mixer.D, initial_states=ssm_state, rows=rows, validate=False)
         y = y.reshape(batch, R, I)
         if falcon and not mixer.mamba_rms_norm:
             y = y * F.silu(gate)
@@ -90,15 +89,15 @@ class Mamba2Layers:
 
     def commit(self, index, nodes):
         """Overwrite every layer's conv and SSM states, in place, with those after path(nodes[b]) of the tree
-        whose TreeIndex is `index` (T nodes in the buffers). nodes (batch,) int64 on the device, -1 = none."""
+        whose TreeIndex (over all capacity slots) is `index`. nodes (batch,) int64 on the device, -1 = none."""
         I, GN, H, P, G, N = self.dims
-        batch, T = index.shape
-        n = len(self.mixers)
-        seen = self.conv[:, :T]
-        x = seen[..., :I].reshape(batch, T, n * H, P)
-        B = seen[..., I:I + GN].reshape(batch, T, n * G, N)
-        states = tree_states(x, self.dt[:, :T].reshape(batch, T, n * H), self.A_all, B, index, nodes,
-                             initial_states=self.group.recurrent, validate=False)
-        conv = tree_conv_state(self.xbc[:, :T].reshape(batch, T, -1), index, nodes, self.group.conv, validate=False)
+        n, batch, T, width = self.conv.shape
+        layer_major = self.conv.permute(1, 2, 0, 3)                                # (batch, T, n, conv_dim)
+        x = layer_major[..., :I].reshape(batch, T, n * H, P)
+        B = layer_major[..., I:I + GN].reshape(batch, T, n * G, N)
+        dt = self.dt.permute(1, 2, 0, 3).reshape(batch, T, n * H)
+        states = tree_states(x, dt, self.A_all, B, index, nodes, initial_states=self.group.recurrent, validate=False)
+        xbc = self.xbc.permute(1, 2, 0, 3).reshape(batch, T, n * width)
+        conv = tree_conv_state(xbc, index, nodes, self.group.conv, validate=False)
         self.group.recurrent.copy_(states)
         self.group.conv.copy_(conv)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ..triton_kernels import TreeIndex
 from .cache import StateCache
 from .host_tree import HostTree
 from .mamba2 import Mamba2Layers, is_mamba2_mixer
@@ -29,16 +30,15 @@ LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scali
                "falcon_h1": lambda model: model.model.lm_head_multiplier}
 # Attention positions reserved past the prompt when prefill() is not told the final length.
 DEFAULT_RESERVE = 256
+# With fixed pass shapes, attention buffers hold a multiple of this many positions.
+CAPACITY_STEP = 512
 
 
 @dataclass
 class TreePass:
-    """What a pass's tree mixers need: the TreeIndex of the whole tree so far, and the new nodes start..end-1
-    (rows: the same ids as a (R,) tensor on the device)."""
+    """What a pass's tree mixers need: the TreeIndex over all node slots, and the new nodes' ids rows (R,)."""
     index: object
     rows: torch.Tensor
-    start: int
-    end: int
 
 
 class TreeModel:
@@ -48,7 +48,10 @@ class TreeModel:
     `length` counts the committed tokens; `cache` is the StateCache.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, nodes=16, pass_width=None):
+        """nodes: node slots the tree buffers start with (they grow when a tree needs more); pass_width: when set,
+        every pass is padded to at least this many new nodes, so that with enough slots no shape changes from
+        pass to pass (what torch.compile needs)."""
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -66,11 +69,13 @@ class TreeModel:
             raise ValueError(f"found no Mamba2 mixer in this {model_type} model")
         self.window_keys = sorted({(m.conv_kernel_size, m.conv_kernel_size) for m in self.mixers.values()})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
+        self.nodes, self.pass_width = nodes, pass_width
         self.cache = None
         self.tree = None       # HostTree of the uncommitted tree
         self._index = None     # its TreeIndex as of the last pass
         self._pass = None
         self._layers = {}      # layer_idx -> (Mamba2Layers, slice j)
+        self.run = self._run   # the device part of a pass (torch.compile may replace it)
 
     @property
     def length(self):
@@ -95,15 +100,36 @@ class TreeModel:
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
         logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1, **kwargs).logits
-        self.cache = StateCache.from_hf(hf_cache, P, max(max_length or 0, P + DEFAULT_RESERVE))
-        self._layers = {}
-        for group in self.cache.groups:
-            if not all(i in self.mixers for i in group.layers):
-                raise ValueError(f"layers {group.layers} hold recurrent states but are not all Mamba2 mixers")
-            layers = Mamba2Layers([self.mixers[i] for i in group.layers], group)
-            self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
+        capacity = max(max_length or 0, P + DEFAULT_RESERVE)
+        if self.pass_width is not None:  # fixed shapes: round the buffers up so that most prompts share them
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+        cache = StateCache.from_hf(hf_cache, P, capacity)
+        if self.cache is not None and self.cache.load(cache):
+            pass  # same shapes: the existing buffers (and anything compiled against them) are kept
+        else:
+            self.cache = cache
+            self._layers = {}
+            for group in cache.groups:
+                if not all(i in self.mixers for i in group.layers):
+                    raise ValueError(f"layers {group.layers} hold recurrent states but are not all Mamba2 mixers")
+                layers = Mamba2Layers([self.mixers[i] for i in group.layers], group)
+                self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
         self.tree = self._index = None
         return logits[:, -1]
+
+    def compile(self, **options):
+        """Compile the device part of every pass with torch.compile (inductor; on CUDA mode="reduce-overhead",
+        i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from pass to pass, so the
+        TreeModel needs a pass_width and enough node slots; a shape change recompiles."""
+        if self.pass_width is None:
+            raise ValueError("compile() needs fixed pass shapes: build the TreeModel with pass_width=...")
+        if self.device.type == "cuda":
+            options.setdefault("mode", "reduce-overhead")
+        # Every TreeModel compiles the same function: its shapes (a target's, a draft's, ...) each take one entry of
+        # dynamo's per-function cache, whose default of 8 entries a few pairs would exhaust.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self.run = torch.compile(self._run, dynamic=False, **options)
+        return self
 
     @torch.no_grad()
     def tree_forward(self, tokens, parents, *, logits_for=None):
@@ -119,7 +145,7 @@ class TreeModel:
             raise RuntimeError("call prefill() before tree_forward()")
         if self.tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
-        self.tree = HostTree(self.cache.batch, self.window_keys)
+        self.tree = HostTree(self.cache.batch, self.window_keys, capacity=self.nodes)
         try:
             return self._grow(tokens, parents, logits_for)
         finally:
@@ -148,41 +174,60 @@ class TreeModel:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents must both be (batch={cache.batch}, T)")
         R = tokens.shape[1]
         if logits_for is not None:
-            logits_for = torch.as_tensor(logits_for, device=device).long().reshape(-1)
+            logits_for = torch.as_tensor(logits_for).long().reshape(-1)
             if logits_for.numel() and not 0 <= int(logits_for.min()) <= int(logits_for.max()) < R:
                 raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for.tolist()}")
         start, end = tree.add(parents)  # raises ValueError unless topological
         try:
-            index = tree.index(device)
+            width = max(R, self.pass_width or 0)
+            if start + width > tree.capacity:
+                tree.reserve(max(start + width, 2 * tree.capacity))
+            self.nodes = tree.capacity  # later trees start with as many slots
             for layers, _ in self._layers.values():
                 layers.reserve(tree.capacity)
-            kwargs = dict(position_ids=torch.from_numpy(cache.length + tree.depth[:, start:end]).to(device))
-            if self.uses_attention:
-                cache.reserve(cache.length + end)
-                visible = cache.length + end
-                dtype = self.head.weight.dtype
-                bias = torch.zeros(cache.batch, 1, R, visible, dtype=dtype, device=device)
-                bias[:, 0, :, cache.length:].masked_fill_(~index.mask[:, start:end], torch.finfo(dtype).min)
-                kwargs["attention_mask"] = bias
-                cache.begin_pass((cache.length + start, cache.length + end), visible)
-            self._pass = TreePass(index, torch.arange(start, end, device=device), start, end)
+            cache.reserve(cache.length + tree.capacity)
+            if width > R:
+                tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
+            inputs = tree.pass_inputs(start, width, cache.length, device)
+            head_rows = torch.arange(R) if logits_for is None else logits_for
+            K = head_rows.shape[0]
+            if self.pass_width is not None and K < width:  # fixed shapes: the LM head always takes `width` rows
+                head_rows = torch.cat([head_rows, head_rows.new_zeros(width - K)])
             for i, forward in self._forwards.items():
                 self.mixers[i].forward = forward
             try:
-                hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
+                logits, self._index = self.run(tokens, inputs, head_rows.to(device))
             finally:
                 for mixer in self.mixers.values():
                     del mixer.forward
+                cache.end_pass()
+                self._pass = None
         except BaseException:  # the buffers' new slots are simply reused by the next pass
             tree.truncate(start)
             raise
-        finally:
-            cache.end_pass()
-            self._pass = None
-        self._index = index
-        if logits_for is not None:
-            hidden = hidden[:, logits_for]
-        return self.logits(hidden)
+        return logits[:, :K]
+
+    def _run(self, tokens, inputs, head_rows):
+        """The device part of a pass (no host sync, shapes fixed by the slots and pass width). Returns
+        (logits (batch, len(head_rows), vocab), the TreeIndex)."""
+        cache, rows = self.cache, inputs["rows"]
+        index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
+        kwargs = dict(position_ids=inputs["positions"])
+        if self.uses_attention:
+            # Position p is visible to row r if p < length (committed) or p = length + k with k an ancestor of r.
+            batch, width, slots = tokens.shape[0], rows.shape[0], index.shape[1]
+            positions = torch.arange(cache.capacity, device=tokens.device)
+            allowed = (positions < inputs["length"]).expand(batch, width, -1).clone()
+            tree_cols = (inputs["length"] + torch.arange(slots, device=tokens.device)).expand(batch, width, -1)
+            allowed.scatter_(2, tree_cols, index.mask.index_select(1, rows))
+            dtype = self.head.weight.dtype
+            kwargs["attention_mask"] = torch.zeros(batch, 1, width, cache.capacity, dtype=dtype,
+                                                   device=tokens.device).masked_fill_(~allowed[:, None],
+                                                                                      torch.finfo(dtype).min)
+            cache.begin_pass(inputs["length"] + rows)
+        self._pass = TreePass(index, rows)
+        hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
+        return self.logits(hidden.index_select(1, head_rows)), index
 
     def _tree_forward_of(self, layer_idx):
         def forward(hidden_states, *args, **kwargs):
