@@ -1,0 +1,74 @@
+"""A Bamba model inflated to a larger shape that computes exactly the same function: a realistic-size target for
+benchmarks (weights that no longer fit in a CPU cache; a weight-bandwidth-bound decode step) without a download.
+
+Every old weight sits in the corner of its new matrix and everything new is zero, so the new hidden channels,
+heads, state dimensions, MLP units and layers carry zeros: extra layers add nothing to the residual stream, extra
+heads see zero inputs. Only the RMS norms notice the zero channels (their mean runs over more of them); their
+weights and epsilon are rescaled to compensate, which needs hidden and mixer width to grow by the same factor.
+"""
+import math
+
+import torch
+import transformers
+
+
+def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size, num_layers):
+    """A new BambaForCausalLM whose logits equal `model`'s (up to float rounding) with the given sizes.
+
+    hidden_size / mamba_heads must scale by the same factor (mamba_heads * mamba_d_head is the mixer width);
+    attention heads scale with hidden_size (head_dim fixed), key/value heads with them; new layers are Mamba
+    layers. Returns the model in eval mode, in `model`'s dtype.
+    """
+    old = model.config
+    if old.model_type != "bamba":
+        raise ValueError(f"inflate_bamba takes a bamba model, got {old.model_type!r}")
+    factor = hidden_size / old.hidden_size
+    if mamba_heads / old.mamba_n_heads != factor or old.mamba_n_groups != 1:
+        raise ValueError("hidden_size and mamba_heads must grow by the same factor, with mamba_n_groups = 1 "
+                         f"(got x{factor} and x{mamba_heads / old.mamba_n_heads}, groups {old.mamba_n_groups})")
+    heads = round(old.num_attention_heads * factor)
+    if heads * (old.hidden_size // old.num_attention_heads) != hidden_size or heads % (
+            old.num_attention_heads // old.num_key_value_heads):
+        raise ValueError(f"hidden_size {hidden_size} must keep the attention head size "
+                         f"{old.hidden_size // old.num_attention_heads} and the query/key head ratio")
+    if d_state < old.mamba_d_state or intermediate_size < old.intermediate_size or num_layers < old.num_hidden_layers:
+        raise ValueError("inflate_bamba only grows sizes")
+    config = old.to_dict()
+    config.update(hidden_size=hidden_size, mamba_n_heads=mamba_heads, mamba_d_state=d_state,
+                  intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=heads,
+                  num_key_value_heads=heads // (old.num_attention_heads // old.num_key_value_heads),
+                  rms_norm_eps=old.rms_norm_eps / factor, attn_layer_indices=list(old.attn_layer_indices),
+                  layers_block_type=None)
+    config.pop("layers_block_type")
+    config = transformers.BambaConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+    config._attn_implementation = old._attn_implementation
+    big = transformers.BambaForCausalLM(config).to(model.dtype).eval()
+    small = dict(model.named_parameters())
+    I, N = old.mamba_n_heads * old.mamba_d_head, old.mamba_d_state
+    I2, N2 = mamba_heads * old.mamba_d_head, d_state
+    # in_proj rows: [gate I | x I | B N | C N | dt heads]; conv channels: [x I | B N | C N].
+    proj_segments = ((0, 0, I), (I2, I, I), (2 * I2, 2 * I, N), (2 * I2 + N2, 2 * I + N, N),
+                     (2 * I2 + 2 * N2, 2 * I + 2 * N, old.mamba_n_heads))
+    conv_segments = ((0, 0, I), (I2, I, N), (I2 + N2, I + N, N))
+    norm_scale = 1 / math.sqrt(factor)
+    with torch.no_grad():
+        for name, p in big.named_parameters():
+            p.zero_()
+            if name not in small:
+                continue
+            w = small[name]
+            if name.endswith("in_proj.weight"):
+                _segments(p, w, proj_segments)
+            elif name.endswith(("conv1d.weight", "conv1d.bias")):
+                _segments(p, w, conv_segments)
+            elif name.endswith(("layernorm.weight", "mamba.norm.weight")):
+                p[:w.shape[0]] = w * norm_scale
+            else:
+                p[tuple(slice(0, s) for s in w.shape)] = w
+    return big
+
+
+def _segments(new, old, segments):
+    """Copy rows old[o:o+n] to new[t:t+n] (other dims: the corner) for each (t, o, n)."""
+    for target, source, n in segments:
+        new[(slice(target, target + n), *(slice(0, s) for s in old.shape[1:]))] = old[source:source + n]
