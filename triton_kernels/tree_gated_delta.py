@@ -76,7 +76,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, parents, *, initial_state=None, scal
 
     Returns:
         o: (batch, T, Hv, Dv), or (batch, R, Hv, Dv) with rows, in q's dtype (accumulated in fp32, or fp64 for
-        fp64 inputs; HF itself computes in fp32 always).
+        fp64 inputs; HF computes this rule in fp32 even for fp64 models).
     """
     if validate:
         index = _check_inputs(k, v, g, beta, parents, q=q, initial_state=initial_state, scale=scale)

@@ -9,13 +9,11 @@ The Dv columns of a state are independent given q and k, hence the Dv blocks; Dk
 program holds all of it. q and k arrive prepared in fp32 (tree_gated_delta.prepare_qk); value head h reads key
 head h // (Hv // Hk).
 """
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 
-from .utils import gather_rows
+from .utils import fp32_states, gather_rows
 
 
 def rule_config(dk, dv, row_width):
@@ -46,8 +44,7 @@ def _update(S, k, v, decay, beta):
 @triton.jit(do_not_specialize=["batch", "num_levels", "row_width"])
 def _tree_gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, order_ptr, slot_ptr, offsets_ptr,
                              scratch_ptr, o_ptr, batch, num_levels, row_width, key_heads, value_heads, dk, dv,
-                             HAS_H0: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
+                             BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0) // value_heads
     h = tl.program_id(0) % value_heads
     hk = h // (value_heads // key_heads)
@@ -70,16 +67,12 @@ def _tree_gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, order
             in_w = p < end
             m3 = in_w[:, None, None] & in_kv[None, :, :]
             node = tl.load(order_ptr + p, mask=in_w, other=0)  # flat id b * T + i
-            if level == 0:
-                if HAS_H0:
-                    S = tl.load(h0_ptr + b * state_size + state[None, :, :] + 0 * p[:, None, None], mask=m3,
-                                other=0.0).to(tl.float32)
-                else:
-                    S = tl.zeros((BLOCK_W, BLOCK_K, BLOCK_V), dtype=tl.float32)
-            else:
-                parent = tl.load(slot_ptr + p, mask=in_w, other=0) - prev_shift
-                S = tl.load(scratch_ptr + (((1 - buf) * batch + b) * row_width + parent[:, None, None]) * state_size
-                            + state[None, :, :], mask=m3, other=0.0)
+            # The parents' states: the scratch's other half, or at level 0 the initial state (fp32).
+            parent = tl.load(slot_ptr + p, mask=in_w, other=0) - prev_shift
+            s_ptr = (scratch_ptr + (((1 - buf) * batch + b) * row_width + parent[:, None, None]) * state_size
+                     + state[None, :, :])
+            s_ptr = tl.where(level == 0, h0_ptr + b * state_size + state[None, :, :] + 0 * p[:, None, None], s_ptr)
+            S = tl.load(s_ptr, mask=m3, other=0.0)
             qk = (node[:, None] * key_heads + hk) * dk + offs_k[None, :]
             q = tl.load(q_ptr + qk, mask=in_w[:, None] & in_k[None, :], other=0.0)
             k = tl.load(k_ptr + qk, mask=in_w[:, None] & in_k[None, :], other=0.0)
@@ -139,9 +132,9 @@ def tree_gated_delta_rule(q, k, v, g, beta, index, *, initial_state=None, rows=N
         grid = (batch * value_heads, triton.cdiv(dv, cfg["BLOCK_V"]))
         _tree_gated_delta_kernel[grid](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            initial_state.contiguous() if initial_state is not None else v, levels.order, levels.parent_slot,
+            fp32_states(initial_state, (batch, value_heads, dk, dv), v.device), levels.order, levels.parent_slot,
             levels.offsets.contiguous(), scratch, o, batch, len(levels.sizes), levels.row_width, key_heads,
-            value_heads, dk, dv, HAS_H0=initial_state is not None, **cfg)
+            value_heads, dk, dv, **cfg)
     return gather_rows(o, rows)
 
 
@@ -164,7 +157,8 @@ def compile_specs(shape, T, dtype, batch=1):
     """Every launch tree_gated_delta_rule and tree_gated_delta_states make for one Gated DeltaNet layer shape (a dict
     with HF's config names linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim;
     other shapes give none), T-node trees and `dtype` inputs (q, k prepared in fp32; g fp32 as HF computes it;
-    initial states fp32): with and without an initial state, each level width 1..T. aot.check compiles them."""
+    initial states fp32): each level width 1..T, the commit with and without an initial state. aot.check compiles
+    them."""
     names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     if not all(n in shape for n in names):
         return []
@@ -173,12 +167,12 @@ def compile_specs(shape, T, dtype, batch=1):
     f32 = torch.float32
     common = dict(k_ptr=f32, v_ptr=dtype, g_ptr=f32, beta_ptr=dtype, key_heads=key_heads, value_heads=value_heads,
                   dk=dk, dv=dv)
-    out, configs = [], {tuple(rule_config(dk, dv, w).items()) for w in range(1, T + 1)}
-    for has_h0, cfg in itertools.product((False, True), configs):
+    out = []
+    for cfg in {tuple(rule_config(dk, dv, w).items()) for w in range(1, T + 1)}:
         cfg = dict(cfg)
-        args = dict(common, q_ptr=f32, h0_ptr=f32 if has_h0 else dtype, order_ptr=torch.int64, slot_ptr=torch.int64,
+        args = dict(common, q_ptr=f32, h0_ptr=f32, order_ptr=torch.int64, slot_ptr=torch.int64,
                     offsets_ptr=torch.int64, scratch_ptr=f32, o_ptr=dtype, batch=batch, num_levels=T, row_width=T)
-        out.append(Launch.of(_tree_gated_delta_kernel, args, dict(HAS_H0=has_h0), cfg,
+        out.append(Launch.of(_tree_gated_delta_kernel, args, {}, cfg,
                              (batch * value_heads, triton.cdiv(dv, cfg["BLOCK_V"]))))
     cfg = states_config(dk, dv)
     for has_h0 in (False, True):

@@ -5,13 +5,15 @@ Per channel d of the intermediate size, with a state of N numbers (A = -exp(A_lo
     h_i = exp(dt_i ⊙ A) ⊙ h_parent(i) + (dt_i ⊙ x_i) ⊗ B_i           (h_i, A: (dim, N); B_i, C_i: (N,))
     y_i = (h_i · C_i + D ⊙ x_i) ⊙ silu(z_i)                         (z optional: HF applies the gate here)
 
-With a per-channel A the masked closed form (Mamba2's, DESIGN.md §2) needs a decay per (node, ancestor, channel,
+With a per-channel A the masked closed form (Mamba2's, docs/design.md §2) needs a decay per (node, ancestor, channel,
 state) pair: T x T x dim x N terms against the recurrence's T x dim x N. Measured on CPU at Mamba-130m to Jamba
 shapes (benchmarks/selective_scan_methods.py) it costs 1.0-1.4x the recurrence at T = 1 and 20-70x at T = 16-32,
 so both backends run the exact level-by-level recurrence: all nodes of one depth are updated at once from their
 parents' states, in `depth` sequential steps, holding two levels of states (see utils.Levels). Operations follow HF's single-token decode path (``mamba_selective_state_update``), which
 HF's greedy generate runs every new token through: dt gets dt_bias and softplus in dt's own dtype, then
-everything accumulates in fp32 (fp64 for fp64 inputs; HF itself upcasts to fp32 only).
+everything accumulates in fp32 (fp64 for fp64 inputs; HF's decode step computes in fp32 even for fp64 models).
+The output dot, D and the gate stay in that precision and round once (HF rounds the state to C's dtype before
+its dot and applies D and the gate in the model dtype: a bf16 rounding apart, 0.5% of the output scale).
 """
 import torch.nn.functional as F
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import gather_rows
+from .utils import fp32_states, gather_rows
 
 
 def scan_config(dim, dstate, row_width):
@@ -42,8 +42,8 @@ def _update(h, dt, x, B, A):
 @triton.jit(do_not_specialize=["batch", "num_levels", "row_width"])
 def _tree_selective_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, h0_ptr, order_ptr, slot_ptr,
                                 offsets_ptr, scratch_ptr, y_ptr, batch, num_levels, row_width, dim, dstate,
-                                HAS_H0: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                                BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_W: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -66,16 +66,12 @@ def _tree_selective_scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr
             in_w = p < end
             m3 = in_w[:, None, None] & in_dn[None, :, :]
             node = tl.load(order_ptr + p, mask=in_w, other=0)  # flat id b * T + i
-            if level == 0:
-                if HAS_H0:
-                    h = tl.load(h0_ptr + b * state_size + state[None, :, :] + 0 * p[:, None, None], mask=m3,
-                                other=0.0).to(tl.float32)
-                else:
-                    h = tl.zeros((BLOCK_W, BLOCK_D, BLOCK_N), dtype=tl.float32)
-            else:
-                parent = tl.load(slot_ptr + p, mask=in_w, other=0) - prev_shift
-                h = tl.load(scratch_ptr + (((1 - buf) * batch + b) * row_width + parent[:, None, None]) * state_size
-                            + state[None, :, :], mask=m3, other=0.0)
+            # The parents' states: the scratch's other half, or at level 0 the initial state (fp32).
+            parent = tl.load(slot_ptr + p, mask=in_w, other=0) - prev_shift
+            h_ptr = (scratch_ptr + (((1 - buf) * batch + b) * row_width + parent[:, None, None]) * state_size
+                     + state[None, :, :])
+            h_ptr = tl.where(level == 0, h0_ptr + b * state_size + state[None, :, :] + 0 * p[:, None, None], h_ptr)
+            h = tl.load(h_ptr, mask=m3, other=0.0)
             m2 = in_w[:, None] & in_d[None, :]
             dt = tl.load(dt_ptr + node[:, None] * dim + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + node[:, None] * dim + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -134,9 +130,9 @@ def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states
         _tree_selective_scan_kernel[grid](
             x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
             D.contiguous() if D is not None else x, z.contiguous() if z is not None else x,
-            initial_states.contiguous() if initial_states is not None else x, levels.order, levels.parent_slot,
+            fp32_states(initial_states, (batch, dim, dstate), x.device), levels.order, levels.parent_slot,
             levels.offsets.contiguous(), scratch, y, batch, len(levels.sizes), levels.row_width, dim, dstate,
-            HAS_H0=initial_states is not None, HAS_D=D is not None, HAS_Z=z is not None, **cfg)
+            HAS_D=D is not None, HAS_Z=z is not None, **cfg)
     return gather_rows(y, rows)
 
 
@@ -165,12 +161,12 @@ def compile_specs(shape, T, dtype, batch=1):
     dim, dstate, f32 = shape["intermediate_size"], shape["state_size"], torch.float32
     common = dict(x_ptr=dtype, dt_ptr=f32, a_ptr=f32, b_ptr=dtype, dim=dim, dstate=dstate)
     out, configs = [], {tuple(scan_config(dim, dstate, w).items()) for w in range(1, T + 1)}
-    for (has_h0, has_d, has_z), cfg in itertools.product(itertools.product((False, True), repeat=3), configs):
+    for (has_d, has_z), cfg in itertools.product(itertools.product((False, True), repeat=2), configs):
         cfg = dict(cfg)
-        args = dict(common, c_ptr=dtype, d_ptr=f32 if has_d else dtype, z_ptr=dtype, h0_ptr=f32 if has_h0 else dtype,
+        args = dict(common, c_ptr=dtype, d_ptr=f32 if has_d else dtype, z_ptr=dtype, h0_ptr=f32,
                     order_ptr=torch.int64, slot_ptr=torch.int64, offsets_ptr=torch.int64, scratch_ptr=f32,
                     y_ptr=dtype, batch=batch, num_levels=T, row_width=T)
-        out.append(Launch.of(_tree_selective_scan_kernel, args, dict(HAS_H0=has_h0, HAS_D=has_d, HAS_Z=has_z), cfg,
+        out.append(Launch.of(_tree_selective_scan_kernel, args, dict(HAS_D=has_d, HAS_Z=has_z), cfg,
                              (batch, triton.cdiv(dim, cfg["BLOCK_D"]))))
     cfg = states_config(dim, dstate)
     for has_h0 in (False, True):

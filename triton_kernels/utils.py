@@ -260,6 +260,11 @@ class Levels:
             start += size
 
 
+def fp32_states(states, shape, device):
+    """States before a tree for a Triton level walk: fp32 and contiguous, zeros of `shape` when there are none."""
+    return torch.zeros(shape, device=device) if states is None else states.float().contiguous()
+
+
 def walk_levels(levels, initial, step, last=None):
     """Run a tree recurrence level by level: the PyTorch references' loop.
 
