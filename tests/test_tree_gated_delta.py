@@ -251,3 +251,9 @@ def test_triton_rejects_float64():
     args["q"] = args["q"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_gated_delta_rule(**args, backend="triton")
+
+
+def test_triton_rejects_a_large_key_dim():
+    inputs, extras = make_inputs([[-1, 0]], dk=513)
+    with pytest.raises(ValueError, match="Dk <= 512"):
+        tree_gated_delta_rule(**inputs, **extras, backend="triton")

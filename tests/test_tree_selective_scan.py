@@ -233,3 +233,9 @@ def test_triton_rejects_float64():
     args["x"] = args["x"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_selective_scan(**args, backend="triton")
+
+
+def test_triton_rejects_a_large_dstate():
+    inputs, extras = make_inputs([[-1, 0]], dstate=257)
+    with pytest.raises(ValueError, match="dstate <= 256"):
+        tree_selective_scan(**inputs, **extras, backend="triton")

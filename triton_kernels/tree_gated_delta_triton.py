@@ -15,13 +15,21 @@ import triton.language as tl
 
 from .utils import fp32_states, gather_rows
 
+MAX_DK = 512  # each program holds all of Dk (HF's models use 128, OLMo-Hybrid 96)
+
+
+def _check_dk(dk):
+    if dk > MAX_DK:
+        raise ValueError(f"the Triton gated delta rule holds a state's whole key dimension in registers and supports "
+                         f"Dk <= {MAX_DK}, got {dk}; use backend='torch'")
+
 
 def rule_config(dk, dv, row_width):
     """Block sizes and warps of _tree_gated_delta_kernel (the launcher and the ahead-of-time check read it): a level
     tile of BLOCK_W nodes x all of Dk x BLOCK_V columns, about 2048 fp32 values per program over 8 warps (4 warps
     left a 16-byte stack frame on sm_90 at Dk = 128)."""
     block_k = triton.next_power_of_2(dk)
-    block_w = min(4, triton.next_power_of_2(max(row_width, 1)))
+    block_w = min(4, triton.next_power_of_2(max(row_width, 1)), max(1, 2048 // (4 * block_k)))
     block_v = max(4, min(64, 2048 // (block_w * block_k), triton.next_power_of_2(dv)))
     return dict(BLOCK_W=block_w, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
 
@@ -124,6 +132,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, index, *, initial_state=None, rows=N
     Returns o (batch, T or R, Hv, Dv) in v's dtype."""
     batch, T, key_heads, dk = k.shape
     value_heads, dv = v.shape[2:]
+    _check_dk(dk)
     o = torch.empty(batch, T, value_heads, dv, device=v.device, dtype=v.dtype)
     levels = index.levels()
     if levels.sizes:
@@ -142,6 +151,7 @@ def tree_gated_delta_states(k, v, g, beta, index, nodes, *, initial_state=None):
     """See tree_gated_delta.tree_gated_delta_states (inputs validated, k prepared fp32). Returns fp32 states."""
     batch, T, key_heads, dk = k.shape
     value_heads, dv = v.shape[2:]
+    _check_dk(dk)
     out = torch.empty(batch, value_heads, dk, dv, device=v.device, dtype=torch.float32)
     if T == 0:
         return out.zero_() if initial_state is None else out.copy_(initial_state)

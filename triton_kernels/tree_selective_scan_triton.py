@@ -15,13 +15,15 @@ import triton.language as tl
 
 from .utils import fp32_states, gather_rows
 
+MAX_DSTATE = 256  # Mamba1 models use 16
+
 
 def scan_config(dim, dstate, row_width):
     """Block sizes and warps of _tree_selective_scan_kernel (the launcher and the ahead-of-time check read it):
     a level tile of BLOCK_W nodes x BLOCK_D channels x all of dstate, about 2048 fp32 values per program (4096
     spilled a few bytes on sm_80 / sm_90 at ~170 registers)."""
     block_n = triton.next_power_of_2(dstate)
-    block_w = min(4, triton.next_power_of_2(max(row_width, 1)))
+    block_w = min(4, triton.next_power_of_2(max(row_width, 1)), max(1, 2048 // (16 * block_n)))
     block_d = max(16, min(128, 2048 // (block_w * block_n), triton.next_power_of_2(dim)))
     return dict(BLOCK_W=block_w, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4)
 
@@ -117,10 +119,17 @@ def _tree_selective_states_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, mask_ptr, nodes_p
     tl.store(out_ptr + b * dim * dstate + state[None, :, :], h, mask=in_dn[None, :, :])
 
 
+def _check_dstate(dstate):
+    if dstate > MAX_DSTATE:
+        raise ValueError(f"the Triton selective scan holds a channel's whole state in registers and supports dstate <= "
+                         f"{MAX_DSTATE}, got {dstate}; use backend='torch'")
+
+
 def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states=None, rows=None):
     """See tree_selective_scan.tree_selective_scan (inputs validated, dt processed fp32; rows None or (batch, R))."""
     batch, T, dim = x.shape
     dstate = A.shape[1]
+    _check_dstate(dstate)
     y = torch.empty(batch, T, dim, device=x.device, dtype=x.dtype)
     levels = index.levels()
     if levels.sizes:
@@ -140,6 +149,7 @@ def tree_selective_states(x, dt, A, B, index, nodes, *, initial_states=None):
     """See tree_selective_scan.tree_selective_states (inputs validated, dt processed fp32). Returns fp32 states."""
     batch, T, dim = x.shape
     dstate = A.shape[1]
+    _check_dstate(dstate)
     out = torch.empty(batch, dim, dstate, device=x.device, dtype=torch.float32)
     if T == 0:
         return out.zero_() if initial_states is None else out.copy_(initial_states)
