@@ -181,3 +181,51 @@ def test_generate_samples_the_target_distribution(family, tree, temperature, top
         seq = tuple(out[0, 3:].tolist())
         counts[seq] = counts.get(seq, 0) + 1
     assert_matches(counts, exact)
+
+
+def pit_counts(target, prompt, outputs, sampler, bins=10, seed=0):
+    """Randomised probability integral transform of every generated token under the target's exact conditional
+    distribution given the tokens before it: for a correct sampler these are i.i.d. uniform, however long the
+    sequence. Returns (counts per bin, expected probability per bin)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = {b: 0 for b in range(bins)}
+    for out in outputs:
+        with torch.no_grad():
+            logits = target(out[:, :-1]).logits[0]
+        for step, position in enumerate(range(prompt.shape[1] - 1, out.shape[1] - 1)):
+            probs = sampler.probs(logits[position], step)
+            token = int(out[0, position + 1])
+            u = float(probs[:token].sum() + torch.rand((), generator=g, dtype=torch.float64) * probs[token])
+            counts[min(int(u * bins), bins - 1)] += 1
+    return counts, {b: 1.0 / bins for b in range(bins)}
+
+
+@pytest.mark.parametrize("family, tree, temperature, top_p", [
+    ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 1.0, None),
+    ("mamba2", (2, 1, 1), 0.7, 0.9),
+])
+def test_long_generations_follow_the_target_conditionals(family, tree, temperature, top_p, monkeypatch):
+    """40-token generations (many rounds; some rounds start with a two-token draft trunk, i.e. an accepted node the
+    draft had not seen): every token's PIT under the target's exact conditional is uniform. The same samples judged
+    against another temperature are rejected, so the test has power."""
+    import stree.decoding as decoding
+    vocab = 8
+    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    with torch.no_grad():  # a noisy copy of the target: high acceptance, so rounds accept whole paths
+        target.get_output_embeddings().weight.mul_(12.0)
+        for mine, theirs in zip(draft.parameters(), target.parameters()):
+            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
+    target.generation_config.eos_token_id = None
+    trunks, original = [], decoding.draft_tree
+    monkeypatch.setattr(decoding, "draft_tree", lambda draft, trunk, *a: trunks.append(len(trunk)) or
+                        original(draft, trunk, *a))
+    prompt = torch.tensor([[1, 3, 0, 5]])
+    g = torch.Generator().manual_seed(3)
+    outputs = [stree.generate(target, prompt, draft_model=draft, max_new_tokens=40, temperature=temperature,
+                              top_p=top_p, tree=tree, generator=g) for _ in range(60)]
+    assert max(trunks) == 2 and all(o.shape[1] == prompt.shape[1] + 40 for o in outputs)
+    counts, probs = pit_counts(target, prompt, outputs, Sampler(temperature, None, top_p))
+    assert_matches(counts, probs)
+    wrong, probs = pit_counts(target, prompt, outputs, Sampler(temperature * 3, None, top_p))
+    assert chi_square(wrong, probs)[0] > chi_square_critical(9)

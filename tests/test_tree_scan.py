@@ -223,6 +223,9 @@ def test_empty_tree_and_permuted_inputs(backend, device):
     states = tree_states(**empty, A=inputs["A"], nodes=torch.tensor([-1], device=device),
                          initial_states=extras["initial_states"], backend=backend)
     torch.testing.assert_close(states, extras["initial_states"])
+    empty_y = tree_scan(**empty, A=inputs["A"], C=inputs["C"][:, :0], initial_states=extras["initial_states"],
+                        backend=backend)
+    assert empty_y.shape == (1, 0) + inputs["x"].shape[2:]
     x = inputs["x"]
     permuted = x.transpose(2, 3).contiguous().transpose(2, 3)  # same values, non-contiguous strides
     torch.testing.assert_close(tree_scan(**dict(inputs, x=permuted), **extras, backend=backend),
