@@ -6,20 +6,15 @@ the updated state. Inputs are already validated, and q / k normalised and scaled
 """
 import torch
 
-from .utils import gather_rows, walk_levels
-
-
-def _by_level(t, levels, dtype):
-    """(batch, T, ...) -> (n, ...) in the walk's order (levels.order), in `dtype`."""
-    return t.reshape(-1, *t.shape[2:]).index_select(0, levels.order).to(dtype)
+from .utils import gather_rows, states_or_zeros, walk_levels
 
 
 def _inputs(q, k, v, g, beta, levels, dtype):
     """Each node's inputs in walk order, q (None: skipped) and k repeated to the value heads (value head h reads
     key head h // (Hv // Hk), as HF's repeat_interleave does), and g as the decay exp(g)."""
     groups = v.shape[2] // k.shape[2]
-    q, k = (None if t is None else _by_level(t, levels, dtype).repeat_interleave(groups, dim=1) for t in (q, k))
-    return q, k, _by_level(v, levels, dtype), _by_level(g, levels, dtype).exp(), _by_level(beta, levels, dtype)
+    q, k = (None if t is None else levels.gather(t, dtype).repeat_interleave(groups, dim=1) for t in (q, k))
+    return q, k, levels.gather(v, dtype), levels.gather(g, dtype).exp(), levels.gather(beta, dtype)
 
 
 def _update(S, k, v, decay, beta):
@@ -30,10 +25,6 @@ def _update(S, k, v, decay, beta):
     delta = (v - torch.matmul(k[..., None, :], S)[..., 0, :]) * beta[..., None]
     # The rank-1 write as an in-place batched GEMM: no (n, H, Dk, Dv) temporary (the states are memory-bound).
     return S.view(n * H, Dk, Dv).baddbmm_(k.reshape(n * H, Dk, 1), delta.reshape(n * H, 1, Dv)).view(n, H, Dk, Dv)
-
-
-def _initial(initial_state, shape, dtype, device):
-    return torch.zeros(shape, dtype=dtype, device=device) if initial_state is None else initial_state.to(dtype)
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, index, *, initial_state=None, rows=None):
@@ -50,9 +41,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, index, *, initial_state=None, rows=N
         os[start:end] = torch.matmul(qs[start:end, :, None, :], S)[..., 0, :]
         return S
 
-    walk_levels(levels, _initial(initial_state, (batch, Hv, k.shape[3], Dv), cd, v.device), step)
-    o = torch.empty_like(os).index_copy_(0, levels.order, os).view(batch, T, Hv, Dv)
-    return gather_rows(o, rows)
+    walk_levels(levels, states_or_zeros(initial_state, (batch, Hv, k.shape[3], Dv), cd, v.device), step)
+    return gather_rows(levels.scatter(os, batch, T), rows)
 
 
 def tree_gated_delta_states(k, v, g, beta, index, nodes, *, initial_state=None):
@@ -62,6 +52,6 @@ def tree_gated_delta_states(k, v, g, beta, index, nodes, *, initial_state=None):
     batch, _, Hv, Dv = v.shape
     levels = index.levels(nodes)
     _, ks, vs, decays, betas = _inputs(None, k, v, g, beta, levels, cd)
-    S0 = _initial(initial_state, (batch, Hv, k.shape[3], Dv), cd, v.device)
+    S0 = states_or_zeros(initial_state, (batch, Hv, k.shape[3], Dv), cd, v.device)
     return walk_levels(levels, S0, lambda start, end, S: _update(S, ks[start:end], vs[start:end], decays[start:end],
                                                                  betas[start:end]), last=S0.clone())

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fp32_states, gather_rows
+from .utils import gather_rows, states_or_zeros
 
 MAX_DK = 512  # each program holds all of Dk (HF's models use 128, OLMo-Hybrid 96)
 
@@ -141,7 +141,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, index, *, initial_state=None, rows=N
         grid = (batch * value_heads, triton.cdiv(dv, cfg["BLOCK_V"]))
         _tree_gated_delta_kernel[grid](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            fp32_states(initial_state, (batch, value_heads, dk, dv), v.device), levels.order, levels.parent_slot,
+            states_or_zeros(initial_state, (batch, value_heads, dk, dv), torch.float32, v.device), levels.order, levels.parent_slot,
             levels.offsets.contiguous(), scratch, o, batch, len(levels.sizes), levels.row_width, key_heads,
             value_heads, dk, dv, **cfg)
     return gather_rows(o, rows)

@@ -7,18 +7,7 @@ Inputs are already validated, and dt already processed, by tree_selective_scan.p
 import torch
 import torch.nn.functional as F
 
-from .utils import gather_rows, walk_levels
-
-
-def _by_level(t, levels, dtype):
-    """(batch, T, ...) -> (n, ...) in the walk's order (levels.order), in `dtype`."""
-    return t.reshape(-1, *t.shape[2:]).index_select(0, levels.order).to(dtype)
-
-
-def _initial(initial_states, batch, dim, dstate, dtype, device):
-    if initial_states is None:
-        return torch.zeros(batch, dim, dstate, dtype=dtype, device=device)
-    return initial_states.to(dtype)
+from .utils import gather_rows, states_or_zeros, walk_levels
 
 
 def _update(h, dt, x, B, A):
@@ -32,7 +21,7 @@ def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states
     cd = dt.dtype
     batch, T, dim = x.shape
     levels = index.levels()
-    xs, dts, Bs, Cs = (_by_level(t, levels, cd) for t in (x, dt, B, C))
+    xs, dts, Bs, Cs = (levels.gather(t, cd) for t in (x, dt, B, C))
     A = A.to(cd)
     ys = torch.empty(len(levels.order), dim, dtype=cd, device=x.device)
 
@@ -41,8 +30,8 @@ def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states
         ys[start:end] = torch.matmul(h, Cs[start:end, :, None])[..., 0]
         return h
 
-    walk_levels(levels, _initial(initial_states, batch, dim, A.shape[1], cd, x.device), step)
-    y = torch.empty_like(ys).index_copy_(0, levels.order, ys).view(batch, T, dim)
+    walk_levels(levels, states_or_zeros(initial_states, (batch, dim, A.shape[1]), cd, x.device), step)
+    y = levels.scatter(ys, batch, T)
     if D is not None:
         y = y + x.to(cd) * D.to(cd)
     if z is not None:
@@ -56,8 +45,8 @@ def tree_selective_states(x, dt, A, B, index, nodes, *, initial_states=None):
     cd = dt.dtype
     batch, _, dim = x.shape
     levels = index.levels(nodes)
-    xs, dts, Bs = (_by_level(t, levels, cd) for t in (x, dt, B))
+    xs, dts, Bs = (levels.gather(t, cd) for t in (x, dt, B))
     A = A.to(cd)
-    h0 = _initial(initial_states, batch, dim, A.shape[1], cd, x.device)
+    h0 = states_or_zeros(initial_states, (batch, dim, A.shape[1]), cd, x.device)
     return walk_levels(levels, h0, lambda start, end, h: _update(h, dts[start:end], xs[start:end], Bs[start:end], A),
                        last=h0.clone())

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fp32_states, gather_rows
+from .utils import gather_rows, states_or_zeros
 
 MAX_DSTATE = 256  # Mamba1 models use 16
 
@@ -139,7 +139,7 @@ def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states
         _tree_selective_scan_kernel[grid](
             x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
             D.contiguous() if D is not None else x, z.contiguous() if z is not None else x,
-            fp32_states(initial_states, (batch, dim, dstate), x.device), levels.order, levels.parent_slot,
+            states_or_zeros(initial_states, (batch, dim, dstate), torch.float32, x.device), levels.order, levels.parent_slot,
             levels.offsets.contiguous(), scratch, y, batch, len(levels.sizes), levels.row_width, dim, dstate,
             HAS_D=D is not None, HAS_Z=z is not None, **cfg)
     return gather_rows(y, rows)

@@ -226,7 +226,8 @@ class Levels:
                      row_width: the most nodes one row has in one level
 
     Built from parents and depth with one host synchronisation (the level sizes). keep (batch, T) bool, if given,
-    restricts the walk to a set of nodes closed under ancestors (a path, say).
+    restricts the walk to a set of nodes closed under ancestors (a path, say). gather / scatter move per-node
+    tensors into and out of walk order.
     """
 
     def __init__(self, parents, depth, keep=None):
@@ -259,10 +260,18 @@ class Levels:
             yield start, start + size
             start += size
 
+    def gather(self, t, dtype):
+        """(batch, T, ...) -> (n, ...): each walked node's row, in walk order, in `dtype`."""
+        return t.reshape(-1, *t.shape[2:]).index_select(0, self.order).to(dtype)
 
-def fp32_states(states, shape, device):
-    """States before a tree for a Triton level walk: fp32 and contiguous, zeros of `shape` when there are none."""
-    return torch.zeros(shape, device=device) if states is None else states.float().contiguous()
+    def scatter(self, values, batch, T):
+        """(n, ...) in walk order -> (batch, T, ...): the inverse of gather for a walk of every node."""
+        return torch.empty_like(values).index_copy_(0, self.order, values).view(batch, T, *values.shape[1:])
+
+
+def states_or_zeros(states, shape, dtype, device):
+    """States before a tree in `dtype`, contiguous; zeros of `shape` when there are none."""
+    return torch.zeros(shape, dtype=dtype, device=device) if states is None else states.to(dtype).contiguous()
 
 
 def walk_levels(levels, initial, step, last=None):
