@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft import DynamicTree, draft_tree, tree_shapes, tree_spec
+from .draft import DynamicTree, RoundCosts, draft_tree, tree_shapes, tree_spec
 from .models import TreeModel
 from .sampling import Sampler, sample
 from .verify import verify_greedy, verify_sampling
@@ -185,9 +185,11 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         stats.tree_sizes.append(1)
         stats.tokens_per_pass.append(1)
         done = emit([token])
+    costs = RoundCosts()  # what adaptive trees decide their depth with
     while not done:
+        round_start, spent = time.perf_counter(), (stats.draft_time, stats.verify_time)
         with clock("draft_time"):
-            drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator)
+            drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator, costs)
         stats.draft_passes += drafted.passes
         stats.transfers += drafted.transfers
         offset = len(trunk) - 1  # the root's index in the draft's tree; the target's tree starts at the root
@@ -215,6 +217,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             path = [drafted.pass_index[n + offset] for n in accepted]
             draft.commit([max(path)])
             trunk = [tokens[n] for n, index in zip(accepted, path) if index < 0] + [bonus]
+        draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
+        costs.update(draft_s, drafted.passes, verify_s, time.perf_counter() - round_start - draft_s - verify_s,
+                     len(accepted) - 1, drafted.expected)
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(generated)

@@ -8,6 +8,7 @@ Three shapes, chosen by the `tree=` argument of generate():
 With sampling, a node's children are drawn from the draft's distribution one after another without replacement and
 the number of children of a node never depends on the children drawn, which keeps verification lossless.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,12 +28,18 @@ class StaticTree:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """budget: draft nodes per tree (root excluded); depth: levels; top_k: children per expanded node;
-    frontier: nodes expanded per level, the most probable paths first."""
+    """budget: draft nodes per tree (root excluded); depth: levels (at most); top_k: children per expanded node;
+    frontier: nodes expanded per level, the most probable paths first.
+
+    adaptive: decide each round's depth from measured costs (RoundCosts) instead of always drafting `depth`
+    levels: another level is drafted only while its expected extra tokens per extra second beat the round's
+    current expected tokens per second (expected tokens: the draft's path probabilities, calibrated by how many
+    tokens the target actually accepted in earlier rounds)."""
     budget: int = 16
     depth: int = 6
     top_k: int = 3
     frontier: int = 3
+    adaptive: bool = False
 
     def __post_init__(self):
         _check_positive(self, ("budget", "depth", "top_k", "frontier"))
@@ -89,6 +96,27 @@ def tree_shapes(spec):
 
 
 @dataclass
+class RoundCosts:
+    """Running estimates for DynamicTree(adaptive=True): seconds per draft pass, per target pass and per round
+    besides both (commit, bookkeeping), and calibration = accepted draft tokens / expected ones."""
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+    calibration: float = 1.0
+    decay: float = 0.8
+
+    def update(self, draft_seconds, passes, verify_seconds, other_seconds, accepted, expected):
+        """Fold in one round: its draft time over `passes` passes, its target pass, the rest, and the draft tokens
+        accepted against the draft's expectation for the tree it sent."""
+        first = self.draft == 0.0
+        for name, value in (("draft", draft_seconds / max(passes, 1)), ("verify", verify_seconds),
+                            ("other", other_seconds)):
+            setattr(self, name, value if first else self.decay * getattr(self, name) + (1 - self.decay) * value)
+        ratio = (accepted + 0.5) / (expected + 0.5)
+        self.calibration = min(2.0, max(0.1, self.decay * self.calibration + (1 - self.decay) * ratio))
+
+
+@dataclass
 class DraftedTree:
     """A drafted tree, trunk first. Node lists are in topological order."""
     tokens: list
@@ -98,13 +126,14 @@ class DraftedTree:
     passes: int          # draft tree passes spent
     probs: dict = field(default_factory=dict)  # node -> draft distribution (vocab,) its children were drawn from
     transfers: int = 0   # device-to-host copies made while drafting
+    expected: float = 0.0  # the draft's expected accepted tokens: sum of the kept nodes' path probabilities
 
 
 class _Growth:
     """The tree being drafted: trunk as a chain, then nodes appended level by level."""
 
-    def __init__(self, draft, trunk, sampler, generated, generator):
-        self.draft, self.sampler, self.generator = draft, sampler, generator
+    def __init__(self, draft, trunk, sampler, generated, generator, costs=None):
+        self.draft, self.sampler, self.generator, self.costs = draft, sampler, generator, costs
         self.generated = generated  # new tokens emitted before the root's successor is predicted
         self.tokens = list(trunk)
         self.parents = list(range(-1, len(trunk) - 1))
@@ -154,16 +183,19 @@ class _Growth:
         self.depth.append(self.depth[parent] + 1)
         return len(self.tokens) - 1
 
-    def result(self, keep=None):
-        """The DraftedTree; keep (sorted node ids, trunk included) restricts it to a subtree, order preserved."""
+    def result(self, keep=None, joint=None):
+        """The DraftedTree; keep (sorted node ids, trunk included) restricts it to a subtree, order preserved;
+        joint: {node: log path probability below the root} of the nodes the expectation counts."""
         keep = list(range(len(self.tokens))) if keep is None else keep
+        kept = set(keep)
+        expected = sum(math.exp(lp) for n, lp in (joint or {}).items() if n in kept and n != self.root)
         new_id = {old: new for new, old in enumerate(keep)}
         return DraftedTree(tokens=[self.tokens[i] for i in keep],
                            parents=[new_id[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
                            depth=[self.depth[i] for i in keep],
                            pass_index=[i if i < self.passed else -1 for i in keep], passes=self.passes,
                            probs={new_id[i]: q for i, q in self.probs.items() if i in new_id},
-                           transfers=self.transfers)
+                           transfers=self.transfers, expected=expected)
 
 
 def _static(growth, spec):
@@ -177,12 +209,12 @@ def _static(growth, spec):
 def _dynamic(growth, spec):
     joint = {growth.root: 0.0}  # log draft probability of the path below the root
     frontier = [growth.root]
-    for _ in range(spec.depth):
+    for level in range(spec.depth):
         expand = sorted(frontier, key=lambda n: -joint[n])[:spec.frontier]
         if not growth.sampler.greedy:  # the budget is spent during growth; ranks are known before drawing
             room = spec.budget - (len(growth.tokens) - growth.root - 1)
             expand = expand[:room // spec.top_k]
-        if not expand:
+        if not expand or (level and spec.adaptive and not _level_pays(growth, spec, joint, expand, frontier)):
             break
         children = growth.expand(expand, spec.top_k)
         frontier = []
@@ -192,11 +224,32 @@ def _dynamic(growth, spec):
                 joint[child] = joint[node] + log_q
                 frontier.append(child)
     if not growth.sampler.greedy:
-        return growth.result()
+        return growth.result(joint=joint)
     # Greedy: keep the `budget` most probable nodes; a path's probability never exceeds its prefix's, so
     # ancestors rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes).
     best = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
-    return growth.result(sorted(set(range(growth.root + 1)) | set(best) | _ancestors(growth.parents, best)))
+    return growth.result(sorted(set(range(growth.root + 1)) | set(best) | _ancestors(growth.parents, best)), joint)
+
+
+def _level_pays(growth, spec, joint, expand, level_nodes):
+    """Whether drafting one more level raises the round's expected tokens per second (DynamicTree.adaptive).
+
+    Expected tokens now: E = 1 + c·(sum of the `budget` best path probabilities), c the calibration; round time
+    R = passes·t_draft + t_verify + t_other. The next level's nodes are children of `expand`; their mass is
+    estimated as the expanded mass times the last level's child-to-parent mass ratio. Another level pays when
+    that gain per t_draft exceeds E / R."""
+    costs = growth.costs
+    if costs is None or costs.draft <= 0.0:
+        return True  # nothing measured yet: draft the full depth
+    p = {n: math.exp(lp) for n, lp in joint.items() if n != growth.root}
+    kept = sorted(p.values(), reverse=True)[:spec.budget]
+    parents = {growth.parents[n] for n in level_nodes}
+    parent_mass = sum(math.exp(joint[n]) for n in parents)
+    ratio = min(1.0, sum(p[n] for n in level_nodes) / parent_mass) if parent_mass > 0 else 0.0
+    gain = costs.calibration * ratio * sum(p[n] for n in expand)
+    expected = 1.0 + costs.calibration * sum(kept)
+    round_time = growth.passes * costs.draft + costs.verify + costs.other
+    return gain * round_time > costs.draft * expected
 
 
 def _beam(growth, spec):
@@ -226,11 +279,11 @@ def _ancestors(parents, nodes):
 _GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}
 
 
-def draft_tree(draft, trunk, spec, sampler, generated, generator=None):
+def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None):
     """Draft a tree below trunk[-1] (the speculation's root) with a prefilled stree.models.TreeModel.
 
     trunk: tokens not yet in the draft's cache, fed as a chain, the root last. generated: new tokens emitted
     before the token that follows the root (for min_new_tokens). The draft's last pass is left uncommitted, so
-    draft.commit() may take any node whose pass_index is not -1.
+    draft.commit() may take any node whose pass_index is not -1. costs: a RoundCosts for adaptive trees.
     """
-    return _GROW[type(spec)](_Growth(draft, trunk, sampler, generated, generator), spec)
+    return _GROW[type(spec)](_Growth(draft, trunk, sampler, generated, generator, costs), spec)
