@@ -17,12 +17,12 @@ from ..triton_kernels import tree_conv1d, tree_conv_state, tree_scan, tree_state
 MIXER_ATTRIBUTES = ("A_log", "dt_bias", "D", "conv1d", "in_proj", "out_proj", "norm", "layer_idx")
 
 
-def is_mamba2_mixer(module):
-    return all(hasattr(module, name) for name in MIXER_ATTRIBUTES)
-
-
 class Mamba2Layers:
     """The Mamba2 mixers of one StateGroup (mixers[j] owns slice j of group.conv / group.recurrent).
+
+    A mixer kind (see tree_model.MIXER_KINDS) provides: matches(module), window_keys(module) (the conv windows
+    its passes need, (width, state_len) pairs), construction from (mixers, group), reserve(capacity),
+    forward(j, hidden_states, tree_pass, conv_state, recurrent_state) and commit(index, nodes).
 
     Buffers over the tree's node slots (every pass reads all `capacity` slots, so its shapes never change;
     slots past the tree are nobody's ancestors), per layer j:
@@ -30,6 +30,14 @@ class Mamba2Layers:
         conv[j]  (batch, capacity, conv_dim)  post-conv [x | B | C]
         dt[j]    (batch, capacity, nheads)    softplus(dt + dt_bias), in the model dtype as HF's decode step
     """
+
+    @staticmethod
+    def matches(module):
+        return all(hasattr(module, name) for name in MIXER_ATTRIBUTES)
+
+    @staticmethod
+    def window_keys(module):
+        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps K columns of conv state
 
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group

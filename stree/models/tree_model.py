@@ -20,11 +20,13 @@ from transformers import DynamicCache
 from ..triton_kernels import TreeIndex
 from .cache import StateCache
 from .host_tree import HostTree
-from .mamba2 import Mamba2Layers, is_mamba2_mixer
+from .mamba2 import Mamba2Layers
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
+# Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers).
+MIXER_KINDS = (Mamba2Layers,)
 # Families whose CausalLM forward rescales the LM head's output.
 LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
                "falcon_h1": lambda model: model.model.lm_head_multiplier}
@@ -64,17 +66,21 @@ class TreeModel:
         self.head = model.get_output_embeddings()
         self.logit_scale = LOGIT_SCALE.get(model_type)
         self.uses_attention = model_type != "mamba2"
-        self.mixers = {m.layer_idx: m for m in model.modules() if is_mamba2_mixer(m)}
+        self.mixers, self.kinds = {}, {}  # layer_idx -> mixer module / its kind
+        for module in model.modules():
+            kind = next((k for k in MIXER_KINDS if k.matches(module)), None)
+            if kind is not None:
+                self.mixers[module.layer_idx], self.kinds[module.layer_idx] = module, kind
         if model_type in SSM_FAMILIES and not self.mixers:
-            raise ValueError(f"found no Mamba2 mixer in this {model_type} model")
-        self.window_keys = sorted({(m.conv_kernel_size, m.conv_kernel_size) for m in self.mixers.values()})
+            raise ValueError(f"found no supported mixer in this {model_type} model")
+        self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
         self.cache = None
         self.tree = None       # HostTree of the uncommitted tree
         self._index = None     # its TreeIndex as of the last pass
         self._pass = None
-        self._layers = {}      # layer_idx -> (Mamba2Layers, slice j)
+        self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass (torch.compile may replace it)
 
     @property
@@ -110,9 +116,11 @@ class TreeModel:
             self.cache = cache
             self._layers = {}
             for group in cache.groups:
-                if not all(i in self.mixers for i in group.layers):
-                    raise ValueError(f"layers {group.layers} hold recurrent states but are not all Mamba2 mixers")
-                layers = Mamba2Layers([self.mixers[i] for i in group.layers], group)
+                kinds = {self.kinds.get(i) for i in group.layers}
+                if len(kinds) != 1 or None in kinds:
+                    raise ValueError(f"layers {group.layers} hold recurrent states of one shape but not one supported "
+                                     "mixer kind")
+                layers = kinds.pop()([self.mixers[i] for i in group.layers], group)
                 self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
         self.tree = self._index = None
         return logits[:, -1]
