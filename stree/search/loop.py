@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocation import ets_select, rebase_allocation
+from .allocation import ETS_WEIGHTS, ets_select, rebase_allocation
 from .beam import batched_beam_search
 from .clusters import cluster_embeddings
 from .policy import Policy
@@ -34,6 +34,8 @@ class SearchConfig:
     lambda_b: float = 1.0             # ETS: weight of the retained-node term
     lambda_d: float = 1.0             # ETS: weight of the cluster-coverage term
     cluster_threshold: float = 0.3    # ETS: cosine distance cut of the step-embedding clusters
+    ets_weights: str = "rebase"       # ETS outcome weights: "rebase" (REBASE's counts / width, as ETS) or "softmax"
+    ets_costs: str = "nodes"          # ETS node term: "nodes" (one per node, as ETS) or "bytes" (TreeMemory's bytes)
     aggregation: str = "last"         # trajectory score from step scores: last | min | prod
     seed: int = 0
     leaf_states: str = "keep"         # keep: every leaf holds its SSM snapshot until the strategy chooses;
@@ -53,6 +55,9 @@ class SearchConfig:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         if self.width < 1 or self.max_steps < 1:
             raise ValueError("width and max_steps must be >= 1")
+        if self.ets_weights not in ETS_WEIGHTS or self.ets_costs not in ("nodes", "bytes"):
+            raise ValueError(f"ets_weights must be one of {ETS_WEIGHTS} and ets_costs 'nodes' or 'bytes', got "
+                             f"{self.ets_weights!r} and {self.ets_costs!r}")
         if self.leaf_states not in ("keep", "replay"):
             raise ValueError(f"leaf_states must be 'keep' or 'replay', got {self.leaf_states!r}")
         if self.batched and self.leaf_states != "keep":
@@ -119,22 +124,25 @@ def rebase(live, width, config, context):
 
 
 def ets(live, width, config, context):
-    """ETS over distinct search-tree nodes: copies of a node (siblings that drew the same step) share one state, so
-    they are kept or pruned together. The ILP sees each node once, worth its copies' summed REBASE weights (score +
-    temperature * log(copies)); a kept node's REBASE count is then shared evenly among its copies."""
+    """ETS (ets_select) over distinct search-tree nodes: copies of a node (siblings that drew the same step) share one
+    state, so they are one leaf of the ILP, kept or pruned together, with REBASE counted per copy; a kept node's count
+    is then shared evenly among its copies. Costs: one per node (ETS) or, with ets_costs="bytes", the bytes each node
+    keeps alive (TreeMemory)."""
     nodes = {}
     for t in live:
         nodes.setdefault(t.node, []).append(t)
     copies = list(nodes.values())
     heads = [group[0] for group in copies]
-    scores = [s + config.rebase_temperature * math.log(len(group))
-              for s, group in zip(_scores(heads, config), copies)]
     clusters = cluster_embeddings(torch.stack([context.embed(t) for t in heads]).numpy(), config.cluster_threshold)
-    memory = context.memory
-    node_costs = {at.node: memory.node_bytes(at) for t in heads for at in list(t.lineage())[1:]}
-    counts = ets_select([t.ancestors() for t in heads], scores, clusters, width, lambda_b=config.lambda_b,
-                        lambda_d=config.lambda_d, temperature=config.rebase_temperature, node_costs=node_costs,
-                        leaf_costs=[memory.leaf_bytes(t) for t in heads])
+    costs = {}
+    if config.ets_costs == "bytes":
+        memory = context.memory
+        costs = dict(node_costs={at.node: memory.node_bytes(at) for t in heads for at in list(t.lineage())[1:]},
+                     leaf_costs=[memory.leaf_bytes(t) for t in heads])
+    counts = ets_select([t.ancestors() for t in heads], _scores(heads, config), clusters, width,
+                        lambda_b=config.lambda_b, lambda_d=config.lambda_d, temperature=config.rebase_temperature,
+                        steps=[tuple(t.steps[-1]) for t in heads], copies=[len(group) for group in copies],
+                        weights=config.ets_weights, **costs)
     return [(t, n) for group, count in zip(copies, counts) for t, n in zip(group, _shares(count, len(group)))]
 
 
