@@ -135,3 +135,16 @@ def gated_delta_loop(q, k, v, g, beta, parents, initial_state=None, scale=None, 
                 states[b, i, h] = S
                 o[b, i, h] = S.T @ qh
     return o, states
+
+
+def plain_vote(answers, weights):
+    """Weighted majority by hand: the answer with the largest summed weight (None abstains; a tie goes to the answer
+    seen first)."""
+    best, totals = None, {}
+    for answer, weight in zip(answers, weights):
+        if answer is not None:
+            totals[answer] = totals.get(answer, 0.0) + weight
+    for answer in totals:
+        if best is None or totals[answer] > totals[best]:
+            best = answer
+    return best

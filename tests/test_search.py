@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from loops import plain_vote
 from stree.models import tiny_model
 from stree.search import STRATEGIES, SearchConfig, tree_search
 
@@ -35,7 +36,9 @@ def test_every_strategy_runs_end_to_end(policy_model, strategy):
 
     config = SearchConfig(strategy=strategy, width=9, max_steps=3, step_max_tokens=3, seed=1)
     result = tree_search(policy_model, [1, 2, 3], verifier, config, answer_fn=lambda tokens: tokens[-1] % 3)
-    assert result.answer in (0, 1, 2)
+    # the answer is the weighted vote of the trajectories' answers, weighted by their last step's score
+    assert result.scores == [even_share(None, t.steps) for t in result.trajectories]
+    assert result.answer == plain_vote([t.tokens[-1] % 3 for t in result.trajectories], result.scores)
     assert len(result.trajectories) == 9 and all(len(t.steps) == 3 for t in result.trajectories)
     # nothing finishes, so every step spends the width; siblings that drew the same step are scored once
     assert all(1 <= calls.count(d) <= 9 for d in (1, 2, 3)) and result.stats["verifier_calls"] == len(calls)

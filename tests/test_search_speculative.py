@@ -3,9 +3,10 @@ import itertools
 import pytest
 import torch
 
+from loops import plain_vote
 from stree.models import tiny_model
 from stree.search import PRMVerifier, RowBatch, SearchConfig, VerificationQueue, score_batch, tree_search
-from stree.search.beam import BeamRun
+from stree.search.beam import BeamRun, candidate_generator
 from stree.search.policy import Policy
 
 
@@ -117,6 +118,8 @@ def test_batched_rows_equal_the_batch1_policy(family):
 
 SWITCHES = [dict(speculative=s, early_pruning=e, dedup=d, lazy_verification=lv, verify_token_budget=24)
             for s, e, d, lv in itertools.product([False, True], repeat=4) if s or not (e or lv)]
+SWITCHES += [dict(speculative=True, early_pruning=e, lazy_verification=True, verify_sibling_completion=True,
+                  verify_token_budget=24) for e in (False, True)]
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=lambda s: "-".join(k for k, v in s.items() if v is True) or "sync")
@@ -172,6 +175,87 @@ def test_lazy_verification_batches_requests_and_keeps_scores(policy_model):
     assert lazy.queue.batches < eager.queue.batches and max(lazy_verifier.sizes) > max(eager_verifier.sizes)
 
 
+def test_sibling_completion_flushes_complete_families_and_keeps_scores(policy_model):
+    """With token and deferral limits out of reach, lazy verification flushes only when decoding idles; the
+    sibling-completion rule also flushes as soon as one parent's children have all finished, so there are more,
+    earlier flushes, and still the same top-k at every level as eager verification."""
+    unreachable = dict(verify_token_budget=10 ** 6, verify_max_deferrals=10 ** 6)
+    for seed in (5, 6):
+        eager, _, chosen = run_beam(policy_model, beam_config(speculative=True, seed=seed), BatchedHashed())
+        idle, _, idle_survivors = run_beam(policy_model, beam_config(speculative=True, lazy_verification=True,
+                                                                     seed=seed, **unreachable), BatchedHashed())
+        sibling, _, survivors = run_beam(policy_model, beam_config(speculative=True, lazy_verification=True, seed=seed,
+                                                                   verify_sibling_completion=True, **unreachable),
+                                         BatchedHashed())
+        assert survivors == chosen == idle_survivors
+        assert idle.queue.batches < sibling.queue.batches < eager.queue.batches
+    with pytest.raises(ValueError, match="lazy_verification=True"):
+        SearchConfig(strategy="beam", width=9, batched=True, speculative=True, verify_sibling_completion=True)
+
+
+def test_verification_queue_sibling_completion():
+    queue = VerificationQueue(lambda prompt, steps: 0.5, [1], flush_tokens=None, max_deferrals=None,
+                              sibling_completion=True)
+    queue.submit("a1", [[3]], family="a")
+    assert not queue.due(idle=False, decoding={"a", "b"})   # a sibling of a1 is still decoding
+    queue.submit("b1", [[3]], family="b")
+    assert queue.due(idle=False, decoding={"a"})             # b's children are all done
+    assert not VerificationQueue(lambda prompt, steps: 0.5, [1], flush_tokens=None, max_deferrals=None).due(
+        idle=False, decoding=set())                          # the rule is off by default
+
+
+def reference_beam(model, prompt, verifier, config):
+    """Plain beam search, one candidate at a time, written from the beam rules in stree.search.beam's docstring:
+    every token re-reads the prompt and the candidate's tokens through the model (no cache, no batching, no
+    speculation) and is drawn from the candidate's own generator (candidate_generator(seed, key)). Level 1 is
+    `width` children of the prompt; level d's k best by (score descending, key) survive; survivors that ended (EOS)
+    or reached max_steps are completed, the others get width / k children each; it stops when no survivor is live.
+    Returns the survivors (as run_beam reports them, prompt included) and the completed trajectories' tokens."""
+    k, stops = config.kept, set(config.step_delimiter_ids) | set(config.eos_token_ids)
+
+    def draw_step(steps, generator):
+        step = []
+        while not step or (step[-1] not in stops and len(step) < config.step_max_tokens):
+            tokens = list(prompt) + [t for s in steps for t in s] + step
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+            step.append(int(torch.multinomial(torch.softmax(logits.double(), -1), 1, generator=generator)))
+        return step
+
+    live, survivors, completed = [((), [])], {((), None)}, []
+    for depth in range(1, config.max_steps + 1):
+        level = []
+        for key, steps in live:
+            for j in range(config.width if depth == 1 else config.width // k):
+                child = steps + [draw_step(steps, candidate_generator(config.seed, key + (j,)))]
+                level.append((key + (j,), child, verifier(prompt, child)))
+        top = sorted(level, key=lambda c: (-c[2], c[0]))[:k]
+        survivors |= {(tuple(map(tuple, steps)), score) for _, steps, score in top}
+        done = [c for c in top if c[1][-1][-1] in config.eos_token_ids or depth == config.max_steps]
+        completed += [[t for s in steps for t in s] for _, steps, _ in done]
+        live = [(key, steps) for key, steps, _ in top if (key, steps, _) not in done]
+        if not live:
+            break
+    return survivors, sorted(completed)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 4])
+@pytest.mark.parametrize("verifier", [hashed, salted(1), lambda prompt, steps: len(steps[-1]) % 3 / 4],
+                         ids=["hashed", "salted", "ties"])
+def test_speculative_beam_with_early_pruning_equals_a_plain_reference_beam_search(policy_model, seed, verifier):
+    """Speculative beam search with early pruning (with and without dedup, lazy verification and sibling
+    completion) keeps at every level the top-k of an independent plain beam search over the same candidates, and
+    completes the same trajectories; the "ties" verifier scores many candidates equally (ties go by key)."""
+    config = beam_config(seed=seed, max_steps=4, width=6, beam_width=2)
+    want, want_completed = reference_beam(policy_model, [1, 2, 3], verifier, config)
+    for switches in [dict(dedup=False), dict(), dict(lazy_verification=True, verify_sibling_completion=True,
+                                                     verify_token_budget=30)]:
+        run, completed, survivors = run_beam(policy_model, beam_config(seed=seed, speculative=True,
+                                                                       early_pruning=True, **switches), verifier)
+        assert survivors == want, switches
+        assert sorted(t.tokens for t in completed) == want_completed, switches
+
+
 def test_verification_queue_flushes_on_tokens_deferrals_or_idle():
     seen = []
 
@@ -211,7 +295,9 @@ def test_pure_ssm_policy_runs_speculative_beam():
     model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=2)
     config = beam_config(speculative=True, early_pruning=True, lazy_verification=True, seed=1)
     result = tree_search(model, [1, 2, 3], hashed, config, answer_fn=lambda tokens: tokens[-1] % 3)
-    assert result.answer in (0, 1, 2) and 1 <= len(result.trajectories) <= 2 * 4
+    assert 1 <= len(result.trajectories) <= 2 * 4
+    assert result.scores == [hashed(None, t.steps) for t in result.trajectories]
+    assert result.answer == plain_vote([t.tokens[-1] % 3 for t in result.trajectories], result.scores)
     assert result.stats["forwards"] >= result.stats["steps"] and result.stats["peak_tree_bytes"] > 0
 
 

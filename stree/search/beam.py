@@ -22,6 +22,8 @@ and the work, never the candidates (up to float rounding of batched logits), and
   sibling gets its own row.
 - lazy_verification: requests wait in a VerificationQueue for verify_token_budget tokens or verify_max_deferrals
   decode steps (or until decoding idles); off, each decode step's finished candidates are verified at once.
+- verify_sibling_completion (with lazy_verification): the queue also flushes once every sibling of a waiting request
+  (the children of its parent) has finished its step, so a complete family is never left waiting (SpecScale).
 """
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,12 @@ from .lazy import VerificationQueue
 from .tree import Trajectory, TreeMemory, search_result
 
 MAX_SCORE = 1.0
+
+
+def candidate_generator(seed, key):
+    """The random generator of the candidate with sibling indices `key` (a tuple, root first) in a search seeded
+    `seed`: every token of its step is drawn from it."""
+    return torch.Generator().manual_seed(hash((seed,) + tuple(key)) & (2 ** 63 - 1))
 
 
 @dataclass(eq=False)
@@ -65,7 +73,8 @@ class BeamRun:
             self.queue = VerificationQueue(verifier, prompt, flush_tokens=None, max_deferrals=None)
         elif config.lazy_verification:
             self.queue = VerificationQueue(verifier, prompt, flush_tokens=config.verify_token_budget,
-                                           max_deferrals=config.verify_max_deferrals)
+                                           max_deferrals=config.verify_max_deferrals,
+                                           sibling_completion=config.verify_sibling_completion)
         else:
             self.queue = VerificationQueue(verifier, prompt, max_deferrals=0)
         self.levels = {0: Level([self.root], closed=True)}
@@ -81,7 +90,7 @@ class BeamRun:
         while self.rows or len(self.queue):
             if self.rows:
                 self._decode()
-            if self.queue.due(idle=not self.rows):
+            if self.queue.due(idle=not self.rows, decoding={row.parent for row in self.rows}):
                 for (row, state), score in self.queue.flush():
                     self._accept(row, state, score)
                 self._settle()
@@ -106,8 +115,7 @@ class BeamRun:
             t.state = None
 
     def _sibling(self, key):
-        seed = hash((self.config.seed,) + key) & (2 ** 63 - 1)
-        return key, torch.Generator().manual_seed(seed)
+        return key, candidate_generator(self.config.seed, key)
 
     def _decode(self):
         """Each candidate draws its next token; rows split where their candidates' draws differ; one forward pass;
@@ -131,7 +139,7 @@ class BeamRun:
         keep = []
         for i, row in enumerate(rows):
             if self.policy.ends_step(row.tokens[-1], len(row.tokens)):
-                self.queue.submit((row, self.batch.row(i)), row.parent.steps + [row.tokens])
+                self.queue.submit((row, self.batch.row(i)), row.parent.steps + [row.tokens], family=row.parent)
             else:
                 keep.append(i)
         self.batch.select(torch.tensor(keep, dtype=torch.long))

@@ -49,6 +49,7 @@ class SearchConfig:
     lazy_verification: bool = False   # speculative: queue verifier requests and score them in batches
     verify_token_budget: int = 2048   # lazy verification: score once this many tokens wait...
     verify_max_deferrals: int = 6     # ...or once a request has waited this many decode steps
+    verify_sibling_completion: bool = False  # lazy verification: ...or once all siblings of a request finished
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -79,6 +80,9 @@ class SearchConfig:
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
                                      "and verifies whole levels at once")
+        if self.verify_sibling_completion and not self.lazy_verification:
+            raise ValueError("verify_sibling_completion=True is a lazy verification rule: it needs "
+                             "lazy_verification=True")
         if self.verify_token_budget < 1 or self.verify_max_deferrals < 0:
             raise ValueError(f"verify_token_budget must be >= 1 and verify_max_deferrals >= 0, got "
                              f"{self.verify_token_budget} and {self.verify_max_deferrals}")
