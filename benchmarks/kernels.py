@@ -7,30 +7,38 @@ For each layer shape and tree size T, times in one run (fastest of interleaved r
   seqT         T sequential single-token updates (per-node recurrence over the tree, as SGLang does)
   unrolled     every root-to-leaf path of the random tree as a batch row of an ordinary sequence scan
                (mamba_ssm's chunk scan when installed, else stree's scan over chains, which equals it)
+  hf_chunk     HF's own chunked scan (transformers' mamba2_chunk_scan, the path HF's Mamba2 prefill takes) over
+               T tokens: what an ordinary model pays to verify a T-token chain
   chunk_seq    (CUDA with mamba_ssm only) mamba_ssm's chunk scan over T tokens
-CPU runs the PyTorch path, CUDA the Triton path. Prints the device, shapes and a table of ratios; writes JSON.
+CPU runs the PyTorch path, CUDA the Triton path (--backend overrides). Prints the device, shapes and a table of
+ratios; writes JSON. Layer shapes are stree.triton_kernels.aot.MODEL_SHAPES (plus "tiny", for smoke runs).
 
-    python benchmarks/kernels.py                 # all shapes, T in 1..128
+    python benchmarks/kernels.py                 # three shapes, T in 1..128
     python benchmarks/kernels.py --quick         # one shape, a few T (smoke run)
 """
 import argparse
 import json
 import os
 import platform
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# This file is `kernels` on sys.path[0], which would shadow the `kernels` package transformers probes for.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from stree import random_parents
-from stree.triton_kernels import tree_scan
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # noqa: E402
+
+from stree import random_parents  # noqa: E402
+from stree.triton_kernels import tree_scan  # noqa: E402
+from stree.triton_kernels.aot import MODEL_SHAPES  # noqa: E402
 
 # (nheads, headdim, dstate, ngroups) of one Mamba2 mixer.
-SHAPES = {
-    "mamba2-130m": (24, 64, 128, 1),
-    "mamba2-2.7b": (80, 64, 128, 1),
-    "nemotron-h-8b": (128, 64, 128, 8),
-}
+SHAPES = {name: tuple(s[k] for k in ("nheads", "headdim", "dstate", "ngroups")) for name, s in MODEL_SHAPES.items()
+          if "dstate" in s}
+SHAPES["tiny"] = (2, 16, 16, 1)
+DEFAULT_SHAPES = ("mamba2-130m", "mamba2-2.7b", "nemotron-h-8b")
 TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
 
 
@@ -121,11 +129,12 @@ def leaf_paths(parents):
     return paths
 
 
-def bench_case(shape, T, batch, device, dtype, generator):
+def bench_case(shape, T, batch, device, dtype, generator, backend="auto", min_time=1.0, min_reps=7):
     layer = make_layer(shape, batch, T, device, dtype, generator)
     parents_random = [random_parents(T, generator, max_children=3) for _ in range(batch)]
     chain = torch.arange(T, device=device).expand(batch, T) - 1
-    kwargs = dict(D=layer["D"], dt_bias=layer["dt_bias"], dt_softplus=True, initial_states=layer["h0"])
+    kwargs = dict(D=layer["D"], dt_bias=layer["dt_bias"], dt_softplus=True, initial_states=layer["h0"],
+                  backend=backend)
     scan_args = [layer[k] for k in ("x", "dt", "A", "B", "C")]
     step, step_impl = decode_step_fn(device)
     state = layer["h0"].clone()
@@ -150,7 +159,7 @@ def bench_case(shape, T, batch, device, dtype, generator):
         rows, length = x.shape[:2]
         chains = torch.arange(length, device=device).expand(rows, length) - 1
         return tree_scan(x, dt, layer["A"], B, C, chains, D=layer["D"], dt_bias=layer["dt_bias"],
-                         dt_softplus=True, initial_states=h0)
+                         dt_softplus=True, initial_states=h0, backend=backend)
 
     parents = torch.tensor(parents_random, device=device)
     fns = {
@@ -159,23 +168,30 @@ def bench_case(shape, T, batch, device, dtype, generator):
         "step1": one_step,
         "seqT": lambda: [one_step(i) for i in range(T)],
         "unrolled": lambda: sequence_scan(unrolled["x"], unrolled["dt"], unrolled["B"], unrolled["C"], h0_rows),
+        "hf_chunk": lambda: mamba2_chunk_scan(*(layer[k] for k in ("x", "dt", "A", "B", "C")), chunk_size=256,
+                                              D=layer["D"], dt_bias=layer["dt_bias"], initial_states=layer["h0"],
+                                              dt_softplus=True),
     }
     if chunk_scan is not None:
         fns["chunk_seq"] = lambda: sequence_scan(layer["x"], layer["dt"], layer["B"], layer["C"], layer["h0"])
     with torch.inference_mode():
-        times = time_all(fns, device)
+        times = time_all(fns, device, min_time=min_time, min_reps=min_reps)
     return times, dict(step_impl=step_impl, unrolled_rows=len(paths), unrolled_len=depth,
                        sequence_scan="mamba_ssm" if chunk_scan is not None else "stree-chain")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
     parser.add_argument("--sizes", nargs="+", type=int, default=list(TREE_SIZES))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="tree_scan's backend (auto: Triton on CUDA, PyTorch on CPU)")
+    parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per case")
+    parser.add_argument("--min-reps", type=int, default=7, help="repeats per case at least")
     parser.add_argument("--quick", action="store_true", help="mamba2-2.7b only, T in 1, 16, 64")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>.json)")
     args = parser.parse_args()
@@ -186,26 +202,29 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"dtype {dtype}, batch {args.batch}")
-    print("backend: " + ("Triton" if device.type == "cuda" else "PyTorch reference"))
+    backend = args.backend if args.backend != "auto" else "triton" if device.type == "cuda" else "torch"
+    print("backend: " + ("Triton" if backend == "triton" else "PyTorch reference"))
     generator = torch.Generator().manual_seed(0)
     results = []
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         print(f"\n{shape_name}: nheads={shape[0]} headdim={shape[1]} dstate={shape[2]} ngroups={shape[3]}")
         header = (f"{'T':>4} {'tree ms':>9} {'step1 ms':>9} {'tree/step1':>10} {'chain/step1':>11} "
-                  f"{'tree/seqT':>9} {'tree/unroll':>11}")
+                  f"{'tree/seqT':>9} {'tree/unroll':>11} {'tree/hf':>8}")
         print(header + (f" {'tree/chunk':>10}" if device.type == "cuda" else ""))
         for T in args.sizes:
-            times, info = bench_case(shape, T, args.batch, device, dtype, generator)
+            times, info = bench_case(shape, T, args.batch, device, dtype, generator, backend, args.min_time,
+                                     args.min_reps)
             ratios = {"tree_over_step1": times["tree_random"] / times["step1"],
                       "chain_over_step1": times["tree_chain"] / times["step1"],
                       "tree_over_seqT": times["tree_random"] / times["seqT"],
-                      "tree_over_unrolled": times["tree_random"] / times["unrolled"]}
+                      "tree_over_unrolled": times["tree_random"] / times["unrolled"],
+                      "tree_over_hf_chunk": times["tree_random"] / times["hf_chunk"]}
             if "chunk_seq" in times:
                 ratios["tree_over_chunk_seq"] = times["tree_random"] / times["chunk_seq"]
             line = (f"{T:>4} {times['tree_random']:>9.3f} {times['step1']:>9.3f} {ratios['tree_over_step1']:>10.2f} "
                     f"{ratios['chain_over_step1']:>11.2f} {ratios['tree_over_seqT']:>9.3f} "
-                    f"{ratios['tree_over_unrolled']:>11.2f}")
+                    f"{ratios['tree_over_unrolled']:>11.2f} {ratios['tree_over_hf_chunk']:>8.2f}")
             if "tree_over_chunk_seq" in ratios:
                 line += f" {ratios['tree_over_chunk_seq']:>10.2f}"
             print(line, flush=True)
@@ -215,7 +234,7 @@ def main():
                                    f"kernels-{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(device=device.type, device_name=name, dtype=str(dtype), torch=torch.__version__,
+        json.dump(dict(device=device.type, device_name=name, dtype=str(dtype), backend=backend, torch=torch.__version__,
                        threads=torch.get_num_threads(), results=results), f, indent=1)
     print(f"\nwrote {out}")
 

@@ -58,3 +58,12 @@ def test_oversized_and_invalid_configs_are_reported():
             assert result.error
     spilling = dataclasses.replace(results[0], smem=0, spill_bytes=8)
     assert aot.problems(spilling) == ["spills: 8 bytes of local memory"]
+
+
+def test_int32_offsets_are_a_clear_error():
+    """The kernels index with int32 offsets; a tensor of 2**31 elements (here a broadcast view, no memory) is refused
+    with the limit named (the commit stacks every layer along heads, so big batches can reach it)."""
+    from stree.triton_kernels.launch import check_int32
+    check_int32("tree_states", states=torch.zeros(1).expand(2**31 - 1))
+    with pytest.raises(ValueError, match=r"tree_states: states has 2147483648 elements.*int32.*backend='torch'"):
+        check_int32("tree_states", states=torch.zeros(1).expand(2**31))

@@ -183,7 +183,8 @@ def compile_launch(launch, arch):
     """Compile one launch for sm_<arch> and measure it: a Result (error set when it does not compile)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    dtype = next((str(v).removeprefix("torch.") for v in launch.args.values() if isinstance(v, torch.dtype)), "")
+    floats = [v for v in launch.args.values() if v in (torch.float16, torch.bfloat16, torch.float32)]
+    dtype = str(next((v for v in floats if v != torch.float32), torch.float32)).removeprefix("torch.")  # the inputs'
     result = Result(getattr(launch.kernel, "__name__", str(launch.kernel)), arch, dtype, dict(launch.constexprs),
                     launch.num_warps, launch.num_stages)
     start = time.perf_counter()

@@ -1,0 +1,339 @@
+"""GPU readiness in one script (issue 11): the ahead-of-time compile check for machines without a GPU, and one
+command that measures everything the first few minutes a GPU is lent.
+
+    python benchmarks/gpu.py --compile-only          # any machine: every Triton kernel launch compiled for sm_80
+                                                     # and sm_90; registers, spills, shared memory, fits or not
+    python benchmarks/gpu.py --out DIR               # a CUDA machine: the three steps below, < 8 min on one H200
+    python benchmarks/gpu.py --out DIR --dry-run     # the same steps on CPU at tiny sizes, Triton interpreted
+
+Each step runs as a subprocess under its own time budget (BUDGETS, GENERATE_RUNS) and writes its JSON into DIR as
+soon as it finishes, so a step that fails or overruns loses nothing written before it; DIR/summary.md and
+DIR/summary.json are rewritten after every step.
+  1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device), then the Mamba2
+                 kernels at the real layer shapes of aot.MODEL_SHAPES: Triton vs the PyTorch reference vs the
+                 naive loops of tests/loops.py, in fp32, bf16 and fp16                   -> step1-equivalence.json
+  2 kernels      benchmarks/kernels.py: a T-node tree scan vs one decode step, T steps, unrolled paths and HF's
+                 chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
+                                                                                          -> step2-kernels.json
+  3 generate     benchmarks/generate.py, once per GENERATE_RUNS entry        -> step3-generate-<name>.json
+"""
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# ---- Step 3: benchmarks/generate.py's command lines, written here only (its owner is adding flags). ----------
+# name: (arguments on a GPU, arguments for --dry-run: tiny built-in presets and a few tokens, budget s (GPU, dry))
+GENERATE_RUNS = {
+    "bundled-pair": (["--target", "demo-target", "--draft", "demo-draft", "--dtype", "bfloat16",
+                      "--temperatures", "0", "1"],
+                     ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4",
+                      "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens", "4"],
+                     (120, 150)),
+    "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtype", "bfloat16"],
+                             None, (60, 0)),  # the dry run's bundled-pair run already times the tree overhead
+}
+# ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and benchmarks/kernels.py's arguments. ------
+BUDGETS = {"equivalence": (180, 120), "kernels": (90, 120)}  # dry-run budgets: a safety net on a loaded CPU
+KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
+                 "--dtype", "bfloat16", "--min-time", "0.3"],
+                ["--shapes", "tiny", "--sizes", "4", "--dtype", "float32", "--backend", "triton", "--min-time", "0",
+                 "--min-reps", "1"])
+EQUIVALENCE_SIZES = ((16, 64), (5,))                   # trees checked at every real shape (GPU, dry run)
+PYTEST_ARGS = (["tests/test_tree_scan.py", "tests/test_tree_conv.py", "tests/test_tree_selective_scan.py",
+                "tests/test_tree_gated_delta.py"],  # every kernel's tests, natively on CUDA
+               ["tests/test_tree_scan.py", "tests/test_tree_conv.py", "-k", "chain_equals_hf"])  # a few, interpreted
+TINY_SHAPE = dict(nheads=4, headdim=16, dstate=16, ngroups=2, conv_width=4, conv_dim=96)
+TOLERANCE = {"float32": 2e-4, "bfloat16": 6e-2, "float16": 2e-2}  # max |error| / max |reference|, as the tests
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def versions():
+    import torch
+    import transformers
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(device=device, torch=torch.__version__, triton=triton_version, transformers=transformers.__version__)
+
+
+# ---- --compile-only ----------------------------------------------------------------------------------------------
+
+def compile_only(args):
+    from stree.triton_kernels import aot
+    cases = aot.launches(args.models, args.sizes, [aot.DTYPES[d] for d in args.dtypes])
+    start = time.perf_counter()
+    results = aot.check(cases, args.archs, jobs=args.jobs)
+    print(f"{'kernel':<24} {'sm':>3} {'dtype':<8} {'flags':<22} {'blocks':<16} {'warps':>5} {'regs':>4} "
+          f"{'spill B':>7} {'smem KB':>7}  fits")
+    for r in results:
+        flags = ",".join(k.removeprefix("HAS_") for k, v in r.constexprs.items() if v is True) or "-"
+        blocks = "x".join(str(v) for k, v in r.constexprs.items() if k.startswith("BLOCK_"))
+        fits = "yes" if r.fits else "NO: " + (r.error or "; ".join(r.problems))
+        print(f"{r.kernel:<24} {r.arch:>3} {r.dtype:<8} {flags:<22} {blocks:<16} {r.num_warps:>5} {r.regs:>4} "
+              f"{r.spill_bytes:>7} {r.smem / 1024:>7.1f}  {fits}")
+    bad = [r for r in results if not r.fits]
+    print(f"\n{len(results)} distinct compilations ({len(cases)} launches: {len(args.models)} models x T in "
+          f"{args.sizes} x {args.dtypes}, archs {args.archs}) in {time.perf_counter() - start:.0f} s; "
+          f"{len(bad)} failed or did not fit")
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu-compile.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    write_json(out, dict(versions(), archs=aot.ARCHS, models={m: aot.MODEL_SHAPES[m] for m in args.models},
+                         sizes=args.sizes, dtypes=args.dtypes, ok=not bad,
+                         results=[dict(vars(r), fits=r.fits) for r in results]))
+    print(f"wrote {out}")
+    return 1 if bad else 0
+
+
+# ---- step 1: equivalence -----------------------------------------------------------------------------------------
+
+def pytest_counts(junit):
+    """passed / failed / errors / skipped and the failing test ids of a pytest --junitxml file."""
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failing = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+               if c.find("failure") is not None or c.find("error") is not None]
+    return dict(passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+                failed=counts["failures"], errors=counts["errors"], skipped=counts["skipped"], failing=failing)
+
+
+def real_shape_inputs(shape, T, batch=2):
+    """Random inputs of one layer shape and tree size whose tensors hold values exact in fp32, bf16 and fp16 alike
+    (bf16-rounded, tiny magnitudes zeroed), so one fp64 loop reference serves all three dtypes."""
+    import torch
+    from loops import random_rows
+    H, P, N, G, W, C = (shape[k] for k in ("nheads", "headdim", "dstate", "ngroups", "conv_width", "conv_dim"))
+    g = torch.Generator().manual_seed(T)
+
+    def exact(*size, scale=1.0):
+        t = (torch.randn(*size, generator=g) * scale).bfloat16().float()
+        return t.masked_fill(t.abs() < 2**-10, 0.0)
+
+    rows = random_rows("random", T, batch, seed=T)
+    return dict(x=exact(batch, T, H, P), dt=exact(batch, T, H, scale=0.5), A=-torch.rand(H, generator=g).add(0.5),
+                B=exact(batch, T, G, N), C=exact(batch, T, G, N), D=torch.randn(H, generator=g),
+                dt_bias=exact(H, scale=0.5), h0=torch.randn(batch, H, P, N, generator=g), xbc=exact(batch, T, C),
+                weight=exact(C, W), bias=exact(C), conv_state=exact(batch, C, W),
+                nodes=torch.tensor([T - 1, int(torch.randint(0, T, (1,), generator=g))]),
+                parents=torch.tensor(rows)), rows
+
+
+def loop_references(inputs, rows):
+    """Each kernel's expected output from the naive fp64 loops of tests/loops.py."""
+    import torch
+    from loops import conv_loop, conv_windows_loop, scan_loop
+    i = inputs
+    y, states = scan_loop(i["x"], i["dt"], i["A"], i["B"], i["C"], rows, D=i["D"], dt_bias=i["dt_bias"],
+                          dt_softplus=True, initial_states=i["h0"])
+    width = i["weight"].shape[1]
+    return dict(tree_scan=y, tree_states=states[torch.arange(len(rows)), i["nodes"]],
+                tree_conv1d=conv_loop(i["xbc"], i["weight"], i["bias"], rows, i["conv_state"]),
+                tree_conv_state=conv_windows_loop(i["xbc"], rows, i["conv_state"], width,
+                                                  [[n] for n in i["nodes"].tolist()])[:, 0].transpose(1, 2))
+
+
+def run_kernels(inputs, dtype, device, backend):
+    """The four kernels on `inputs` cast to dtype (model parameters A, D, dt_bias and the fp32 state stay fp32)."""
+    from stree.triton_kernels import tree_conv1d, tree_conv_state, tree_scan, tree_states
+    keep = ("A", "D", "dt_bias", "h0", "nodes", "parents")
+    i = {k: v.to(device) if k in keep else v.to(device, dtype) for k, v in inputs.items()}
+    ssm = dict(dt_bias=i["dt_bias"], dt_softplus=True, initial_states=i["h0"], backend=backend)
+    return dict(tree_scan=tree_scan(i["x"], i["dt"], i["A"], i["B"], i["C"], i["parents"], D=i["D"], **ssm),
+                tree_states=tree_states(i["x"], i["dt"], i["A"], i["B"], i["parents"], i["nodes"], **ssm),
+                tree_conv1d=tree_conv1d(i["xbc"], i["weight"], i["bias"], i["parents"], i["conv_state"],
+                                        backend=backend),
+                tree_conv_state=tree_conv_state(i["xbc"], i["parents"], i["nodes"], i["conv_state"], backend=backend))
+
+
+def relative_error(actual, expected):
+    expected = expected.double().cpu()
+    return ((actual.double().cpu() - expected).abs().max() / (expected.abs().max() + 1e-6)).item()
+
+
+def check_real_shape(name, shape, T, device, dtypes):
+    """Each kernel at one layer shape and tree size, in each dtype: Triton and the PyTorch reference against the
+    naive loops, and Triton against the PyTorch reference. Rows of model, T, dtype, kernel, backend, against, error."""
+    inputs, rows = real_shape_inputs(shape, T)
+    want = loop_references(inputs, rows)
+    out = []
+    for dtype in dtypes:
+        name_of = str(dtype).removeprefix("torch.")
+        got = {b: run_kernels(inputs, dtype, device, b) for b in ("torch", "triton")}
+        for kernel, expected in want.items():
+            pairs = [("torch", "loops", relative_error(got["torch"][kernel], expected)),
+                     ("triton", "loops", relative_error(got["triton"][kernel], expected)),
+                     ("triton", "torch", relative_error(got["triton"][kernel], got["torch"][kernel]))]
+            out += [dict(model=name, T=T, dtype=name_of, kernel=kernel, backend=b, against=a, error=e,
+                         ok=e <= TOLERANCE[name_of]) for b, a, e in pairs]
+    return out
+
+
+def step_equivalence(out, dry):
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from stree.triton_kernels import aot
+    path = os.path.join(out, "step1-equivalence.json")
+    result = dict(versions())
+    junit = os.path.join(out, "step1-pytest.xml")
+    start = time.perf_counter()
+    if importlib.util.find_spec("pytest") is None:
+        result["pytest"] = dict(exit_code=None, error="pytest is not installed: bring its wheels (pip download pytest)")
+    else:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                               *PYTEST_ARGS[dry]], cwd=ROOT, capture_output=True, text=True)
+        result["pytest"] = dict(pytest_counts(junit) if os.path.exists(junit) else {}, exit_code=proc.returncode,
+                                seconds=time.perf_counter() - start, tail=proc.stdout[-2000:])
+    write_json(path, result)  # written now: the shape checks below may run out of time
+    device = "cpu" if dry else "cuda"
+    shapes = {"tiny": TINY_SHAPE} if dry else {k: v for k, v in aot.MODEL_SHAPES.items() if "dstate" in v}
+    rows = []
+    for name, shape in shapes.items():
+        for T in EQUIVALENCE_SIZES[dry]:
+            rows += check_real_shape(name, shape, T, device, (torch.float32, torch.bfloat16, torch.float16))
+        result["shapes"] = rows
+        write_json(path, result)
+        print(f"{name}: {sum(r['ok'] for r in rows)}/{len(rows)} within tolerance so far", flush=True)
+    result["ok"] = result["pytest"]["exit_code"] == 0 and all(r["ok"] for r in rows)
+    write_json(path, result)
+    return 0 if result["ok"] else 1
+
+
+# ---- the driver --------------------------------------------------------------------------------------------------
+
+def plan(out, dry):
+    """(step name, command, budget s, JSON path) of every step."""
+    me = [sys.executable, os.path.abspath(__file__), "--out", out] + (["--dry-run"] if dry else [])
+    steps = [("equivalence", me + ["--step", "equivalence"], BUDGETS["equivalence"][dry],
+              os.path.join(out, "step1-equivalence.json"))]
+    kernels_json = os.path.join(out, "step2-kernels.json")
+    steps.append(("kernels", [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), *KERNELS_ARGS[dry],
+                              "--out", kernels_json], BUDGETS["kernels"][dry], kernels_json))
+    # generate.py saves a PNG into benchmarks/results: hide matplotlib so that no run overwrites the committed plots.
+    wrapper = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+    for name, (gpu_args, dry_args, budgets) in GENERATE_RUNS.items():
+        arguments = dry_args if dry else gpu_args
+        if arguments is None:
+            continue
+        path = os.path.join(out, f"step3-generate-{name}.json")
+        steps.append((f"generate:{name}", [sys.executable, "-c", wrapper, os.path.join(ROOT, "benchmarks",
+                                                                                        "generate.py"),
+                                           *arguments, "--out", path], budgets[dry], path))
+    return steps
+
+
+def headline(name, path):
+    """One line of the most telling numbers of a step's JSON (best effort: formats of other scripts change)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if name == "equivalence":
+            p, shapes = data.get("pytest", {}), data.get("shapes", [])
+            worst = max(shapes, key=lambda r: r["error"] / TOLERANCE[r["dtype"]], default=None)
+            text = (f"pytest {p.get('passed')} passed, {p.get('failed')} failed, {p.get('errors')} errors; real "
+                    f"shapes {sum(r['ok'] for r in shapes)}/{len(shapes)} within tolerance")
+            return text + (f" (worst {worst['kernel']} {worst['backend']} vs {worst['against']}, {worst['model']} "
+                           f"T={worst['T']} {worst['dtype']}: {worst['error']:.1e})" if worst else "")
+        if name == "kernels":
+            return "; ".join(f"{r['shape']} T={r['T']}: tree/step1 {r['ratios']['tree_over_step1']:.2f}, "
+                             f"tree/hf_chunk {r['ratios']['tree_over_hf_chunk']:.2f}"
+                             for r in data["results"] if r["T"] in (4, 16))
+        text = ""
+        if "tree_overhead" in data:
+            text = "tree pass / decode step: " + ", ".join(f"{t['nodes']} nodes {t['ratio']:.2f}x"
+                                                           for t in data["tree_overhead"]["trees"])
+        if data.get("rows"):
+            best = {}
+            for r in data["rows"]:
+                if r["method"] != "autoregressive" and r["speedup"] > best.get(r["temperature"], {}).get("speedup", 0):
+                    best[r["temperature"]] = r
+            text += "; best speedup " + ", ".join(f"T={t}: {r['method']} {r['speedup']:.2f}x (tau {r['tau']:.2f})"
+                                                  for t, r in best.items())
+        return text
+    except Exception as e:  # noqa: BLE001 - a headline is a convenience; the JSON is the record
+        return f"(no headline: {type(e).__name__}: {e})"
+
+
+def write_summary(out, rows, dry):
+    lines = [f"# GPU run{' (dry run: CPU, tiny sizes, Triton interpreted)' if dry else ''}", "",
+             ", ".join(f"{k} {v}" for k, v in versions().items()), "",
+             "| step | status | seconds | budget | JSON | headline |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['budget']} | "
+              f"{os.path.basename(r['json']) if r['json'] else '-'} | {r['headline']} |" for r in rows]
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    write_json(os.path.join(out, "summary.json"), dict(versions(), dry_run=dry, steps=rows))
+
+
+def run_all(out, dry):
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if dry else {}))
+    rows = []
+    for name, command, budget, path in plan(out, dry):
+        print(f"== {name} (budget {budget} s)", flush=True)
+        start = time.perf_counter()
+        with open(os.path.join(out, f"{name.replace(':', '-')}.log"), "w") as log:
+            step = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own process group: a timeout stops its children
+            try:
+                code = step.wait(timeout=budget)
+                status = "ok" if code == 0 else f"failed (exit {code})"
+            except subprocess.TimeoutExpired:
+                os.killpg(step.pid, signal.SIGKILL)
+                step.wait()
+                status = f"stopped at its {budget} s budget"
+        found = path if os.path.exists(path) else None
+        rows.append(dict(step=name, status=status, seconds=time.perf_counter() - start, budget=budget, json=found,
+                         headline=headline(name.split(":")[0], found) if found else "no JSON"))
+        print(f"   {status}, {rows[-1]['seconds']:.0f} s: {rows[-1]['headline']}", flush=True)
+        write_summary(out, rows, dry)
+    print(f"wrote {os.path.join(out, 'summary.md')}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compile-only", action="store_true", help="the ahead-of-time compile check (no GPU)")
+    parser.add_argument("--dry-run", action="store_true", help="every step on CPU, tiny sizes, Triton interpreted")
+    parser.add_argument("--out", default=None, help="the steps' folder (required unless --compile-only), or the "
+                        "compile check's JSON (default benchmarks/results/gpu-compile.json)")
+    parser.add_argument("--step", choices=["equivalence"], help=argparse.SUPPRESS)  # how the driver runs step 1
+    from stree.triton_kernels.aot import ARCHS, DTYPES, MODEL_SHAPES, TREE_SIZES
+    group = parser.add_argument_group("--compile-only")
+    group.add_argument("--models", nargs="+", default=list(MODEL_SHAPES), choices=list(MODEL_SHAPES))
+    group.add_argument("--sizes", nargs="+", type=int, default=list(TREE_SIZES))
+    group.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    group.add_argument("--archs", nargs="+", type=int, default=list(ARCHS), choices=list(ARCHS))
+    group.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compiler processes")
+    args = parser.parse_args()
+    if args.compile_only:
+        sys.exit(compile_only(args))
+    if args.out is None:
+        parser.error("--out DIR is required (or use --compile-only)")
+    if args.step:
+        sys.exit(step_equivalence(args.out, args.dry_run))
+    import torch
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --dry-run (CPU, tiny sizes) or --compile-only")
+    sys.exit(run_all(args.out, args.dry_run))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/gpu.py: the dry run of every step (CPU, tiny sizes, Triton interpreted) writes the JSON files a GPU
+run writes, and the driver keeps what earlier steps wrote when a later one fails or overruns its budget."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_gpu():
+    spec = importlib.util.spec_from_file_location("gpu_script", os.path.join(ROOT, "benchmarks", "gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_writes_every_step(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] and [s["step"] for s in summary["steps"]] == \
+        ["equivalence", "kernels", "generate:bundled-pair"]
+    assert all(s["status"] == "ok" and s["json"] for s in summary["steps"]), summary["steps"]
+    equivalence = json.loads((out / "step1-equivalence.json").read_text())
+    assert equivalence["ok"] and equivalence["pytest"]["passed"] > 0 and equivalence["pytest"]["failed"] == 0
+    kernels = {r["kernel"] for r in equivalence["shapes"]}
+    assert kernels == {"tree_scan", "tree_states", "tree_conv1d", "tree_conv_state"}
+    assert {r["dtype"] for r in equivalence["shapes"]} == {"float32", "bfloat16", "float16"}
+    assert {(r["backend"], r["against"]) for r in equivalence["shapes"]} == \
+        {("torch", "loops"), ("triton", "loops"), ("triton", "torch")}
+    step2 = json.loads((out / "step2-kernels.json").read_text())
+    assert step2["backend"] == "triton" and all("hf_chunk" in r["times_ms"] for r in step2["results"])
+    assert "tree_overhead" in json.loads((out / "step3-generate-bundled-pair.json").read_text())
+    assert "| equivalence | ok |" in (out / "summary.md").read_text()
+
+
+def test_a_failing_or_overrunning_step_loses_nothing(tmp_path, monkeypatch):
+    gpu = load_gpu()
+    write = "import json, sys; json.dump({'rows': []}, open(sys.argv[1], 'w'))"
+    paths = [str(tmp_path / f"{i}.json") for i in range(4)]
+    steps = [("first", [sys.executable, "-c", write, paths[0]], 60, paths[0]),
+             ("fails", [sys.executable, "-c", "raise SystemExit(3)"], 60, paths[1]),
+             ("overruns", [sys.executable, "-c", "import time; time.sleep(60)"], 1, paths[2]),
+             ("last", [sys.executable, "-c", write, paths[3]], 60, paths[3])]
+    monkeypatch.setattr(gpu, "plan", lambda out, dry: steps)
+    assert gpu.run_all(str(tmp_path), dry=True) == 1
+    rows = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert [r["status"] for r in rows] == ["ok", "failed (exit 3)", "stopped at its 1 s budget", "ok"]
+    assert [bool(r["json"]) for r in rows] == [True, False, False, True]
+    assert os.path.exists(paths[0]) and os.path.exists(paths[3])
