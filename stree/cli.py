@@ -28,16 +28,16 @@ def _tree(text):
         raise argparse.ArgumentTypeError(f"--tree must look like 3,2,2,1 or dynamic:24 or beam:4:4, got {text!r}")
 
 
-def _load_pair(args):
+def _load_pair(args, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .demo import demo_pair
     if args.target is None and args.draft is None:
-        return demo_pair()
+        return demo_pair(dtype=dtype)
     if args.target is None or args.draft is None:
         sys.exit("give both --target and --draft, or neither (the bundled demo pair)")
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
     return target, draft, tokenizer
 
@@ -59,46 +59,43 @@ def cmd_generate(args):
 
 
 def cmd_bench(args):
-    from .decoding import generate
+    import platform
+
+    from .benchmark import compare, format_rows
     from .demo import held_out_prompts
-    target, draft, tokenizer = _load_pair(args)
-    target.generation_config.eos_token_id = None  # equal lengths for every method
+    from .draft import DynamicTree
+    from .models import inflate_bamba
+    dtype = getattr(torch, args.dtype)
+    target, draft, tokenizer = _load_pair(args, dtype)
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
-    n_tokens = args.prompts * args.max_new_tokens
-
-    def run(method):
-        elapsed, passes, outputs = 0.0, [], []
-        for prompt in prompts:
-            start = time.perf_counter()
-            if method is None:
-                with torch.no_grad():
-                    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                          max_new_tokens=args.max_new_tokens)
-            else:
-                out, stats = generate(target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens,
-                                      tree=method, return_stats=True)
-                passes += stats.tokens_per_pass
-            elapsed += time.perf_counter() - start
-            outputs.append(out)
-        return n_tokens / elapsed, (sum(passes) / len(passes) if passes else 1.0), outputs
-
-    n_target = sum(p.numel() for p in target.parameters()) / 1e6
-    n_draft = sum(p.numel() for p in draft.parameters()) / 1e6
-    print(f"target {n_target:.1f}M params, draft {n_draft:.1f}M params, torch threads {torch.get_num_threads()}; "
-          f"{args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy")
-    run(_tree("1"))  # warm-up
-    ar_speed, _, reference = run(None)
-    rows = [("autoregressive", "-", ar_speed, 1.0, True)]
-    for name, tree in (("speculative (chain)", args.chain), ("tree", args.tree)):
-        speed, tau, outputs = run(tree)
-        rows.append((name, str(tree), speed, tau, all(torch.equal(a, b) for a, b in zip(outputs, reference))))
-    print(f"{'method':>20} {'tree':>36} {'tokens/s':>9} {'tau':>6} {'speedup':>8} {'same output':>12}")
-    for name, tree, speed, tau, same in rows:
-        print(f"{name:>20} {tree:>36} {speed:>9.1f} {tau:>6.2f} {speed / ar_speed:>8.2f} {str(same):>12}")
+    trees = {"chain (1, 1, 1, 1)": args.chain, f"tree {args.tree}": args.tree}
+    if isinstance(args.tree, DynamicTree) and not args.tree.adaptive:
+        adaptive = DynamicTree(args.tree.budget, args.tree.depth, args.tree.top_k, args.tree.frontier, adaptive=True)
+        trees[f"tree {adaptive}"] = adaptive
+    targets = [("target", target)]
+    if args.large:  # a realistic-size target computing the same function: bound by reading weights
+        targets.append(("target inflated to 0.9B", inflate_bamba(target, hidden_size=2048, mamba_heads=64,
+                                                                 d_state=128, intermediate_size=8192, num_layers=12)))
+    cpu = platform.processor() or platform.machine()
+    print(f"device cpu ({cpu}, torch capability {torch.backends.cpu.get_cpu_capability()}), torch threads "
+          f"{torch.get_num_threads()}, {args.dtype}, {args.prompts} held-out prompts x {args.max_new_tokens} new "
+          f"tokens, {args.repeats} repeats{', compiled' if args.compile else ''}")
+    report = []
+    for label, model in targets:
+        model.generation_config.eos_token_id = None  # equal lengths for every method
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        new_tokens = args.max_new_tokens if model is target else max(8, args.max_new_tokens // 4)
+        for temperature in args.temperatures:
+            print(f"\n{label} ({params:.1f}M params), draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, "
+                  f"temperature {temperature}, {new_tokens} new tokens")
+            rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,
+                           repeats=args.repeats, compile=args.compile)
+            print(format_rows(rows))
+            report.append(dict(target=label, params_m=params, temperature=temperature, dtype=args.dtype,
+                               new_tokens=new_tokens, rows=rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(method=n, tree=t, tokens_per_s=s, tau=tau, speedup=s / ar_speed, same_output=same)
-                       for n, t, s, tau, same in rows], f, indent=1)
+            json.dump(report, f, indent=1, default=str)
 
 
 def cmd_distill(args):
@@ -165,13 +162,19 @@ def build_parser():
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
 
-    bench = commands.add_parser("bench", help="autoregressive vs speculative chain vs tree decoding")
+    bench = commands.add_parser("bench", help="HF generate vs stree autoregressive vs chain vs tree decoding")
     pair_options(bench)
     bench.add_argument("--chain", type=_tree, default=_tree("1,1,1,1"))
     bench.add_argument("--prompts", type=int, default=4)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--json", help="also write the table as JSON here")
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs of every method (ratios: min-max)")
+    bench.add_argument("--large", action="store_true",
+                       help="also the bundled target inflated to 0.9B parameters (same outputs, bandwidth-bound)")
+    bench.add_argument("--compile", action="store_true", help="torch.compile every pass (pays a warm-up)")
+    bench.add_argument("--json", help="also write the tables as JSON here")
     bench.set_defaults(run=cmd_bench)
 
     dist = commands.add_parser("distill", help="train a draft for a target")

@@ -185,7 +185,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         stats.tree_sizes.append(1)
         stats.tokens_per_pass.append(1)
         done = emit([token])
-    costs = RoundCosts()  # what adaptive trees decide their depth with
+    costs = RoundCosts()  # what adaptive trees decide their size with
+    if not done and getattr(spec, "adaptive", False):
+        _calibrate(costs, target, draft, target_nodes, draft_width, spec.frontier, root)
     while not done:
         round_start, spent = time.perf_counter(), (stats.draft_time, stats.verify_time)
         with clock("draft_time"):
@@ -218,14 +220,32 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             draft.commit([max(path)])
             trunk = [tokens[n] for n, index in zip(accepted, path) if index < 0] + [bonus]
         draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
-        costs.update(draft_s, drafted.passes, verify_s, time.perf_counter() - round_start - draft_s - verify_s,
-                     len(accepted) - 1, drafted.expected)
+        costs.update(draft_s, drafted.passes, verify_s, len(tokens), time.perf_counter() - round_start - draft_s
+                     - verify_s, len(accepted) - 1, drafted.expected)
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(generated)
     stats.total_time = time.perf_counter() - start
     output = torch.cat([input_ids, torch.tensor([generated], dtype=torch.long, device=device)], dim=1)
     return (output, stats) if return_stats else output
+
+
+def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, token):
+    """Start the adaptive tree's cost model: time target passes of 1 and `target_nodes` nodes and a draft pass of
+    `draft_width` nodes (LM head on `draft_rows`), each the faster of two runs; both states are left unchanged."""
+    def seconds(model, n, **kwargs):
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            model.tree_forward([[token] * n], [[-1] * n], **kwargs)[0, 0].tolist()
+            model.discard()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    one, full = seconds(target, 1), seconds(target, target_nodes)
+    costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))
+    costs.verify = one - costs.verify_node
+    costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
 
 
 def _tree_model(model, compile, nodes, pass_width):

@@ -97,23 +97,47 @@ def tree_shapes(spec):
 
 @dataclass
 class RoundCosts:
-    """Running estimates for DynamicTree(adaptive=True): seconds per draft pass, per target pass and per round
-    besides both (commit, bookkeeping), and calibration = accepted draft tokens / expected ones."""
+    """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass; a target pass of n nodes,
+    verify + verify_node·n; the rest of a round (commit, bookkeeping); and calibration = tokens the target
+    accepted / tokens the draft's path probabilities expected. Measured once at the start (generate's
+    calibration passes) and updated every round."""
     draft: float = 0.0
     verify: float = 0.0
+    verify_node: float = 0.0
     other: float = 0.0
     calibration: float = 1.0
     decay: float = 0.8
 
-    def update(self, draft_seconds, passes, verify_seconds, other_seconds, accepted, expected):
-        """Fold in one round: its draft time over `passes` passes, its target pass, the rest, and the draft tokens
-        accepted against the draft's expectation for the tree it sent."""
-        first = self.draft == 0.0
-        for name, value in (("draft", draft_seconds / max(passes, 1)), ("verify", verify_seconds),
-                            ("other", other_seconds)):
-            setattr(self, name, value if first else self.decay * getattr(self, name) + (1 - self.decay) * value)
+    @property
+    def known(self):
+        return self.draft > 0.0
+
+    def round_time(self, passes, nodes):
+        """Seconds of a round of `passes` draft passes verifying `nodes` nodes (root included)."""
+        return passes * self.draft + self.verify + self.verify_node * nodes + self.other
+
+    def best_rate(self, probs, passes):
+        """(expected tokens per second, nodes kept) of the best tree made of the most probable of `probs` (path
+        probabilities below the root, sorted descending): keep k nodes for the k that maximises
+        (1 + calibration·sum of the first k) / round_time(passes, 1 + k)."""
+        best, kept, expected = (1.0 / self.round_time(passes, 1), 0), 0, 1.0
+        for k, p in enumerate(probs, 1):
+            expected += self.calibration * p
+            rate = expected / self.round_time(passes, 1 + k)
+            if rate > best[0]:
+                best = (rate, k)
+        return best
+
+    def update(self, draft_seconds, passes, verify_seconds, nodes, other_seconds, accepted, expected):
+        """Fold in one round: its draft time over `passes` passes, its target pass over `nodes` nodes, the rest, and
+        the draft tokens accepted against the draft's expectation for the tree it sent."""
+        mix = 1.0 - self.decay
+        if passes:
+            self.draft += mix * (draft_seconds / passes - self.draft)
+        self.verify += mix * (verify_seconds - self.verify - self.verify_node * nodes)  # drift goes to the base
+        self.other += mix * (other_seconds - self.other)
         ratio = (accepted + 0.5) / (expected + 0.5)
-        self.calibration = min(2.0, max(0.1, self.decay * self.calibration + (1 - self.decay) * ratio))
+        self.calibration = min(2.0, max(0.1, self.calibration + mix * (ratio - self.calibration)))
 
 
 @dataclass
@@ -208,48 +232,46 @@ def _static(growth, spec):
 
 def _dynamic(growth, spec):
     joint = {growth.root: 0.0}  # log draft probability of the path below the root
-    frontier = [growth.root]
-    for level in range(spec.depth):
+    frontier, ratios = [growth.root], None
+    costs = growth.costs if spec.adaptive and growth.costs is not None and growth.costs.known else None
+    for _ in range(spec.depth):
         expand = sorted(frontier, key=lambda n: -joint[n])[:spec.frontier]
         if not growth.sampler.greedy:  # the budget is spent during growth; ranks are known before drawing
             room = spec.budget - (len(growth.tokens) - growth.root - 1)
             expand = expand[:room // spec.top_k]
-        if not expand or (level and spec.adaptive and not _level_pays(growth, spec, joint, expand, frontier)):
+        if not expand or (costs is not None and ratios is not None and
+                          not _level_pays(costs, spec, joint, growth.root, expand, ratios, growth.passes)):
             break
         children = growth.expand(expand, spec.top_k)
-        frontier = []
+        frontier, ratios = [], [0.0] * spec.top_k
         for node in expand:
-            for token, log_q in children[node]:
+            for rank, (token, log_q) in enumerate(children[node]):
                 child = growth.add(node, token)
                 joint[child] = joint[node] + log_q
                 frontier.append(child)
+                ratios[rank] += math.exp(log_q) / len(expand)  # mean probability of the rank-th child
     if not growth.sampler.greedy:
         return growth.result(joint=joint)
-    # Greedy: keep the `budget` most probable nodes; a path's probability never exceeds its prefix's, so
-    # ancestors rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes).
-    best = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
-    return growth.result(sorted(set(range(growth.root + 1)) | set(best) | _ancestors(growth.parents, best)), joint)
+    # Greedy: keep the `budget` most probable nodes (adaptive: as many as pay); a path's probability never exceeds
+    # its prefix's, so ancestors rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes).
+    ranked = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
+    if costs is not None:
+        ranked = ranked[:costs.best_rate([math.exp(joint[n]) for n in ranked], growth.passes)[1]]
+    keep = set(range(growth.root + 1)) | set(ranked) | _ancestors(growth.parents, ranked)
+    return growth.result(sorted(keep), joint)
 
 
-def _level_pays(growth, spec, joint, expand, level_nodes):
+def _level_pays(costs, spec, joint, root, expand, ratios, passes):
     """Whether drafting one more level raises the round's expected tokens per second (DynamicTree.adaptive).
 
-    Expected tokens now: E = 1 + c·(sum of the `budget` best path probabilities), c the calibration; round time
-    R = passes·t_draft + t_verify + t_other. The next level's nodes are children of `expand`; their mass is
-    estimated as the expanded mass times the last level's child-to-parent mass ratio. Another level pays when
-    that gain per t_draft exceeds E / R."""
-    costs = growth.costs
-    if costs is None or costs.draft <= 0.0:
-        return True  # nothing measured yet: draft the full depth
-    p = {n: math.exp(lp) for n, lp in joint.items() if n != growth.root}
-    kept = sorted(p.values(), reverse=True)[:spec.budget]
-    parents = {growth.parents[n] for n in level_nodes}
-    parent_mass = sum(math.exp(joint[n]) for n in parents)
-    ratio = min(1.0, sum(p[n] for n in level_nodes) / parent_mass) if parent_mass > 0 else 0.0
-    gain = costs.calibration * ratio * sum(p[n] for n in expand)
-    expected = 1.0 + costs.calibration * sum(kept)
-    round_time = growth.passes * costs.draft + costs.verify + costs.other
-    return gain * round_time > costs.draft * expected
+    The next level's nodes would be the children of `expand`: child j of a node of path probability p is
+    estimated at p times the mean probability of the j-th child at the last level (`ratios`). The best tree of
+    the nodes so far (costs.best_rate: the most probable nodes, as many as pay for their share of the target
+    pass) is compared with the best tree of those plus the estimated children, one draft pass dearer."""
+    probs = sorted((math.exp(lp) for n, lp in joint.items() if n != root), reverse=True)[:spec.budget]
+    estimated = [math.exp(joint[n]) * r for n in expand for r in ratios]
+    grown = sorted(probs + estimated, reverse=True)[:spec.budget]
+    return costs.best_rate(grown, passes + 1)[0] > costs.best_rate(probs, passes)[0]
 
 
 def _beam(growth, spec):

@@ -51,12 +51,16 @@ def test_generate_streams_text_and_reports_tau(pair_dir, capsys):
 
 
 def test_bench_table(pair_dir, capsys, tmp_path):
-    main(["bench", *pair_args(pair_dir), "--prompts", "2", "--max-new-tokens", "8", "--json", str(tmp_path / "b.json")])
+    main(["bench", *pair_args(pair_dir), "--prompts", "2", "--max-new-tokens", "8", "--repeats", "1",
+          "--json", str(tmp_path / "b.json")])
     out = capsys.readouterr().out
-    assert "autoregressive" in out and "speculative (chain)" in out
-    rows = json.load(open(tmp_path / "b.json"))
-    assert [r["method"] for r in rows] == ["autoregressive", "speculative (chain)", "tree"]
-    assert all(r["same_output"] for r in rows)
+    assert "HF generate" in out and "stree autoregressive" in out and "chain" in out
+    tables = json.load(open(tmp_path / "b.json"))
+    assert [t["temperature"] for t in tables] == [0.0, 1.0]
+    methods = [r["method"] for r in tables[0]["rows"]]
+    assert methods[:3] == ["HF generate", "stree autoregressive", "chain (1, 1, 1, 1)"] and len(methods) == 5
+    assert all(r["agreement"]["all_equal"] for r in tables[0]["rows"])  # float32 greedy: HF's output exactly
+    assert all(r["speedup_vs_hf"][0] > 0 and r["tau"] >= 1 for t in tables for r in t["rows"])
 
 
 def test_distill_command(pair_dir, tmp_path, capsys):

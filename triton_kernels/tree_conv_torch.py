@@ -2,12 +2,12 @@
 import torch
 import torch.nn.functional as F
 
-from .utils import compute_dtype, gather_rows
+from .utils import as_dtype, compute_dtype
 
 
 def _timeline(x, conv_state, dtype):
     """(batch, L + T, dim): the conv state's columns followed by the tree's inputs."""
-    return torch.cat([conv_state.transpose(1, 2).to(dtype), x.to(dtype)], dim=1)
+    return torch.cat([as_dtype(conv_state.transpose(1, 2), dtype), as_dtype(x, dtype)], dim=1)
 
 
 def _windows(timeline, index):
@@ -22,13 +22,11 @@ def tree_conv1d(x, weight, bias, tree, conv_state, silu, rows=None):
     """See tree_conv.tree_conv1d (inputs already validated; tree: a utils.TreeIndex; rows: None, (R,) or
     (batch, R)). Returns (batch, T or R, dim) in x.dtype."""
     cd = compute_dtype(x)
-    index = tree.windows(weight.shape[1], conv_state.shape[2])
-    if rows is not None:
-        index = index.index_select(1, rows) if rows.dim() == 1 else gather_rows(index, rows)
-    out = (_windows(_timeline(x, conv_state, cd), index) * weight.to(cd).T).sum(2)
+    index = tree.queries(rows).windows(weight.shape[1], conv_state.shape[2])
+    out = (_windows(_timeline(x, conv_state, cd), index) * as_dtype(weight, cd).T).sum(2)
     if bias is not None:
-        out = out + bias.to(cd)
-    return (F.silu(out) if silu else out).to(x.dtype)
+        out = out + as_dtype(bias, cd)
+    return as_dtype(F.silu(out) if silu else out, x.dtype)
 
 
 def tree_conv_state(x, tree, nodes, conv_state):

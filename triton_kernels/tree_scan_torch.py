@@ -4,19 +4,12 @@ This is also the production path on CPU. Inputs are already validated by tree_sc
 """
 import torch
 
-from .utils import compute_dtype, gather_rows, tree_decay
+from .utils import as_dtype, compute_dtype, gather_node_rows, tree_decay
 
 
 def _heads(t, nheads):
     """(batch, T, ngroups, dstate) -> (batch, T, nheads, dstate), head h reading group h // (nheads // ngroups)."""
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
-
-
-def _select(t, rows):
-    """t (batch, T, ...) at node ids rows: None (all), (R,) shared by every batch row, or (batch, R)."""
-    if rows is None:
-        return t
-    return t.index_select(1, rows) if rows.dim() == 1 else gather_rows(t, rows)
 
 
 def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
@@ -25,37 +18,38 @@ def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
     (batch, T or R, nheads, headdim) in x.dtype.
 
     Few, large operations (this is the CPU production path, where a small model's pass is bound by the number
-    of operations): heads-major (batch, G, heads per group, R, T) weights and two batched matmuls.
+    of operations): heads-major (batch, G, heads per group, R, T) weights and two batched matmuls; what depends
+    only on the tree and the rows comes from index.queries(rows), shared by every layer of a pass.
     """
     cd = compute_dtype(x)
     batch, T, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2:]
     per_group = nheads // ngroups
-    dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
-    # Queries are the requested rows; keys are every node (only a query's ancestors count).
-    mask_q, s_q, C_q = _select(mask, rows), _select(s, rows), _select(C, rows).to(cd)
-    R = mask_q.shape[1]
+    queries = index.queries(rows)
+    dt, _, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
+    s_q, C_q = gather_node_rows(s, rows), as_dtype(gather_node_rows(C, rows), cd)
+    R = s_q.shape[1]
+    s_qh = s_q.transpose(1, 2)                                                          # (batch, H, R)
     # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
     # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
-    on_path = mask_q[:, None]
-    weight = (s_q.transpose(1, 2)[..., :, None] - s.transpose(1, 2)[..., None, :]).masked_fill_(~on_path, 0.0)
-    weight = weight.exp_().mul_(on_path).mul_(dt.transpose(1, 2)[:, :, None, :])      # (batch, H, R, T)
-    scores = torch.matmul(C_q.transpose(1, 2), B.to(cd).permute(0, 2, 3, 1))          # (batch, G, R, T)
+    weight = (s_qh[..., :, None] - s.transpose(1, 2)[..., None, :]).masked_fill_(queries.off_path, 0.0)
+    weight = weight.exp_().mul_(queries.on_path).mul_(dt.transpose(1, 2)[:, :, None, :])  # (batch, H, R, T)
+    C_g = C_q.transpose(1, 2)                                                           # (batch, G, R, N)
+    scores = torch.matmul(C_g, as_dtype(B, cd).permute(0, 2, 3, 1))                     # (batch, G, R, T)
     weight = weight.view(batch, ngroups, per_group, R, T).mul_(scores[:, :, None])
-    y = torch.matmul(weight.view(batch, nheads, R, T), x.to(cd).transpose(1, 2))      # (batch, H, R, P)
+    y = torch.matmul(weight.view(batch, nheads, R, T), as_dtype(x, cd).transpose(1, 2))  # (batch, H, R, P)
     if initial_states is not None:
         # One GEMM per group: (R, dstate) @ (dstate, heads_in_group * headdim), read straight from the state.
-        h0 = initial_states.to(cd).view(batch, ngroups, per_group * headdim, dstate)
-        from_h0 = torch.matmul(C_q.transpose(1, 2), h0.transpose(2, 3))              # (batch, G, R, heads*P)
-        from_h0 = from_h0.view(batch, ngroups, R, per_group, headdim).transpose(2, 3)
+        h0 = as_dtype(initial_states, cd).view(batch, ngroups, per_group * headdim, dstate)
+        from_h0 = torch.matmul(C_g, h0.transpose(2, 3)).view(batch, ngroups, R, per_group, headdim)
         y = y.view(batch, ngroups, per_group, R, headdim).addcmul_(
-            from_h0, s_q.exp().transpose(1, 2).reshape(batch, ngroups, per_group, R, 1)).view(batch, nheads, R,
-                                                                                                 headdim)
+            from_h0.transpose(2, 3), s_qh.exp().view(batch, ngroups, per_group, R, 1)).view(batch, nheads, R,
+                                                                                           headdim)
     y = y.transpose(1, 2)                                                                # (batch, R, H, P)
     if D is not None:
-        Df = D.to(cd)
-        y = y.addcmul(_select(x, rows).to(cd), Df[:, None] if Df.dim() == 1 else Df)
-    return y.to(x.dtype)
+        Df = as_dtype(D, cd)
+        y = y.addcmul(as_dtype(gather_node_rows(x, rows), cd), Df[:, None] if Df.dim() == 1 else Df)
+    return as_dtype(y, x.dtype)
 
 
 def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,

@@ -164,6 +164,14 @@ class TreeIndex:
         self._depth, self._levels = depth, None
         return self
 
+    def queries(self, rows):
+        """What kernels derive from a pass's query rows (None = every node), as a RowQueries. The last one is
+        remembered, so every layer of a pass that passes the same rows tensor shares it."""
+        last = getattr(self, "_queries", None)
+        if last is None or last.rows is not rows:
+            last = self._queries = RowQueries(self, rows)
+        return last
+
     @property
     def shape(self):
         return self.parents.shape
@@ -290,6 +298,39 @@ def walk_levels(levels, initial, step, last=None):
     return last
 
 
+class RowQueries:
+    """The ancestor-mask rows of a set of query nodes and their conv windows (see TreeIndex.queries).
+
+        mask (batch, R, T) bool; on_path = mask[:, None] (batch, 1, R, T) and off_path = its negation, shaped to
+        broadcast over heads; windows(length, state_len) (batch, R, length).
+    """
+
+    def __init__(self, index, rows):
+        self.index, self.rows = index, rows
+        self.mask = gather_node_rows(index.mask, rows)
+        self.on_path = self.mask[:, None]
+        self.off_path = ~self.on_path
+        self._windows = {}
+
+    def windows(self, length, state_len):
+        key = (length, state_len)
+        if key not in self._windows:
+            self._windows[key] = gather_node_rows(self.index.windows(length, state_len), self.rows)
+        return self._windows[key]
+
+
+def gather_node_rows(t, rows):
+    """t (batch, T, ...) at node ids rows: None (all), (R,) shared by every batch row, or (batch, R)."""
+    if rows is None:
+        return t
+    return t.index_select(1, rows) if rows.dim() == 1 else gather_rows(t, rows)
+
+
+def as_dtype(t, dtype):
+    """t in dtype, without an operation when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def check_rows(rows, batch, T, device):
     """Validate `rows`, the node ids whose outputs a kernel computes: None (every node), (R,) (the same nodes of
     every tree) or (batch, R) integer, each in [0, T). Returns None or an int64 tensor of the same shape."""
@@ -334,9 +375,9 @@ def tree_index(parents, batch, T, device):
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
     """dt (batch, T, nheads) -> clamp(softplus(dt + dt_bias), *dt_limit) in `dtype`."""
-    dt = dt.to(dtype)
+    dt = as_dtype(dt, dtype)
     if dt_bias is not None:
-        dt = dt + dt_bias.to(dtype)
+        dt = dt + as_dtype(dt_bias, dtype)
     if dt_softplus:
         dt = F.softplus(dt)
     lo, hi = dt_limit
@@ -353,4 +394,4 @@ def tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, dtype):
     s[b, i, h] = sum of dt[b, k, h] * A[h] over k on path(i): the tree's analogue of cumsum(dt * A).
     """
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype)
-    return dt, index.mask, torch.matmul(index.ancestor_matrix(dtype), dt * A.to(dtype))
+    return dt, index.mask, torch.matmul(index.ancestor_matrix(dtype), dt * as_dtype(A, dtype))

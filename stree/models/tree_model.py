@@ -3,8 +3,9 @@ on top of the committed sequence, grow that tree by new nodes, and keep one bran
 
 A pass calls the model's own base model (its embeddings, decoder layers, attention modules, MLPs and norms run
 unchanged) with three things swapped in:
-  * its Mamba2 mixers, for the duration of the pass, by tree mixers (mamba2.Mamba2Layers) that compute only the
-    pass's new nodes and read earlier nodes from preallocated buffers;
+  * its recurrent mixers, for the duration of the pass, by tree mixers (one adapter class per mixer kind,
+    MIXER_KINDS: Mamba2, Mamba1, Gated DeltaNet, short conv) that compute only the pass's new nodes and read
+    earlier nodes from preallocated buffers;
   * the cache, a StateCache whose attention buffers are preallocated: attention modules write the new nodes'
     K/V into tree slots after the committed positions and see a 4D mask (prefix + ancestors + itself);
   * positions = committed length + depth.
@@ -19,14 +20,23 @@ from transformers import DynamicCache
 
 from ..triton_kernels import TreeIndex
 from .cache import StateCache
+from .gated_delta import GatedDeltaLayers
 from .host_tree import HostTree
+from .mamba1 import Mamba1Layers
 from .mamba2 import Mamba2Layers
+from .short_conv import ShortConvLayers
 
-SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
+SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2",  # Mamba2
+                "mamba", "falcon_mamba", "jamba",  # Mamba1 selective scan
+                "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",  # GDN
+                "lfm2", "lfm2_moe")  # short convolutions
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
-# Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers).
-MIXER_KINDS = (Mamba2Layers,)
+# Families without attention layers (no attention buffers, no mask).
+ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
+# Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers); a kind may
+# also provide check(module), raising ValueError at construction for a configuration it does not implement.
+MIXER_KINDS = (Mamba2Layers, Mamba1Layers, GatedDeltaLayers, ShortConvLayers)
 # Families whose CausalLM forward rescales the LM head's output.
 LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
                "falcon_h1": lambda model: model.model.lm_head_multiplier}
@@ -38,9 +48,11 @@ CAPACITY_STEP = 512
 
 @dataclass
 class TreePass:
-    """What a pass's tree mixers need: the TreeIndex over all node slots, and the new nodes' ids rows (R,)."""
+    """What a pass's tree mixers need: the TreeIndex over all node slots, the new nodes' ids rows (R,), and levels:
+    how many of them a longest chain holds (the sequential steps a recurrence kept per node needs; a host int)."""
     index: object
     rows: torch.Tensor
+    levels: int = 1
 
 
 class TreeModel:
@@ -65,7 +77,7 @@ class TreeModel:
         self.base = model.base_model
         self.head = model.get_output_embeddings()
         self.logit_scale = LOGIT_SCALE.get(model_type)
-        self.uses_attention = model_type != "mamba2"
+        self.uses_attention = model_type not in ATTENTION_FREE
         self.mixers, self.kinds = {}, {}  # layer_idx -> mixer module / its kind
         for module in model.modules():
             kind = next((k for k in MIXER_KINDS if k.matches(module)), None)
@@ -73,6 +85,8 @@ class TreeModel:
                 self.mixers[module.layer_idx], self.kinds[module.layer_idx] = module, kind
         if model_type in SSM_FAMILIES and not self.mixers:
             raise ValueError(f"found no supported mixer in this {model_type} model")
+        for i, mixer in self.mixers.items():
+            getattr(self.kinds[i], "check", lambda module: None)(mixer)
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
@@ -80,6 +94,7 @@ class TreeModel:
         self.tree = None       # HostTree of the uncommitted tree
         self._index = None     # its TreeIndex as of the last pass
         self._pass = None
+        self._levels = 1       # with fixed shapes: the most levels a pass has had (never fewer, see _grow)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass (torch.compile may replace it)
 
@@ -136,7 +151,11 @@ class TreeModel:
         # Every TreeModel compiles the same function: its shapes (a target's, a draft's, ...) each take one entry of
         # dynamo's per-function cache, whose default of 8 entries a few pairs would exhaust.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.run = torch.compile(self._run, dynamic=False, **options)
+        # Checking every module attribute on every call costs more than a small model's pass (1.8 ms of a 15 ms
+        # pass measured); decoding never replaces a module's attributes, so modules are not guarded.
+        extra = dict(options.pop("options", {}))
+        extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        self.run = torch.compile(self._run, dynamic=False, options=extra, **options)
         return self
 
     @torch.no_grad()
@@ -197,6 +216,9 @@ class TreeModel:
             if width > R:
                 tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
             inputs = tree.pass_inputs(start, width, cache.length, device)
+            inputs["levels"] = tree.levels(start)
+            if self.pass_width is not None:  # fixed shapes: the level count only grows, so compiled passes are kept
+                inputs["levels"] = self._levels = max(self._levels, inputs["levels"])
             head_rows = torch.arange(R) if logits_for is None else logits_for
             K = head_rows.shape[0]
             if self.pass_width is not None and K < width:  # fixed shapes: the LM head always takes `width` rows
@@ -233,7 +255,7 @@ class TreeModel:
                                                    device=tokens.device).masked_fill_(~allowed[:, None],
                                                                                       torch.finfo(dtype).min)
             cache.begin_pass(inputs["length"] + rows)
-        self._pass = TreePass(index, rows)
+        self._pass = TreePass(index, rows, inputs["levels"])
         hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
         return self.logits(hidden.index_select(1, head_rows)), index
 

@@ -1,0 +1,123 @@
+"""Same-run speed comparisons of tree decoding against HF's own generate and stree's own autoregressive loop.
+
+Used by `stree bench` and benchmarks/generate.py. Every method decodes the same prompts; the methods of one repeat
+run back to back, so a ratio compares runs that saw the same machine load, and repeats give its range.
+"""
+import statistics
+import time
+
+import torch
+
+from .decoding import generate
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generate(model, prompt, max_new_tokens, temperature, generator=None):
+    """HF's own decoding (greedy, or sampling at `temperature` with no top-k / top-p)."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+        do_sample=False)
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                              **sampling)
+
+
+def identical_prefix(a, b, start):
+    """Tokens from `start` on that a (1, n) and b (1, m) share before they first differ."""
+    a, b = a[0, start:], b[0, start:]
+    n = min(a.shape[0], b.shape[0])
+    differs = (a[:n] != b[:n]).nonzero()
+    return int(differs[0]) if len(differs) else n
+
+
+def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0):
+    """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec}),
+    `repeats` times. Returns one row per method:
+
+        method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
+        tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
+        agreement (greedy: mean number of leading tokens equal to HF's output, and whether all are equal).
+    With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`.
+    """
+    device = prompts[0].device
+    n_tokens = len(prompts) * max_new_tokens
+    methods = {"HF generate": None, "stree autoregressive": "ar", **trees}
+    times = {name: [] for name in methods}
+    results = {name: None for name in methods}
+    warmup = {}
+
+    def run(name):
+        spec, outs = methods[name], []
+        g = torch.Generator().manual_seed(seed)
+        _sync(device)
+        start = time.perf_counter()
+        for prompt in prompts:
+            if spec is None:
+                outs.append((hf_generate(target, prompt, max_new_tokens, temperature), None))
+            else:
+                kwargs = dict(tree=spec) if spec != "ar" else {}
+                outs.append(generate(target, prompt, draft_model=None if spec == "ar" else draft,
+                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=g,
+                                     return_stats=True, compile=compile, **kwargs))
+        _sync(device)
+        return time.perf_counter() - start, outs
+
+    for name in methods:  # warm-up (and compilation) outside the timed runs
+        start = time.perf_counter()
+        run(name)
+        warmup[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name in methods:
+            elapsed, outs = run(name)
+            times[name].append(elapsed)
+            results[name] = outs
+    rows, reference = [], [out for out, _ in results["HF generate"]]
+    for name in methods:
+        stats = [s for _, s in results[name] if s is not None]
+        vs_hf = sorted(h / t for h, t in zip(times["HF generate"], times[name]))
+        vs_ar = sorted(a / t for a, t in zip(times["stree autoregressive"], times[name]))
+        row = dict(method=name, tokens_per_s=n_tokens / statistics.median(times[name]),
+                   speedup_vs_hf=[vs_hf[0], statistics.median(vs_hf), vs_hf[-1]],
+                   speedup_vs_ar=[vs_ar[0], statistics.median(vs_ar), vs_ar[-1]],
+                   tau=_mean([p for s in stats for p in s.tokens_per_pass]) if stats else 1.0,
+                   draft_passes=sum(s.draft_passes for s in stats) / max(sum(s.rounds for s in stats), 1),
+                   breakdown=_mean_breakdown(stats), warmup_s=warmup[name] if compile else None)
+        if temperature == 0:
+            prompt_len = prompts[0].shape[1]
+            same = [identical_prefix(out, ref, prompt_len) for (out, _), ref in zip(results[name], reference)]
+            row["agreement"] = dict(mean_identical_prefix=_mean(same), of=max_new_tokens,
+                                    all_equal=all(s == max_new_tokens for s in same))
+        rows.append(row)
+    return rows
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def _mean_breakdown(stats):
+    parts = [s.breakdown() for s in stats if s.rounds]
+    return {k: _mean([p[k] for p in parts]) for k in parts[0]} if parts else {}
+
+
+def format_rows(rows):
+    """A fixed-width table of compare()'s rows."""
+    lines = [f"{'method':>28} {'tok/s':>8} {'vs HF (min-max)':>17} {'vs stree AR':>17} {'tau':>5} {'drafts':>6} "
+             f"{'draft/verify/commit/other ms':>29} {'agree':>8}"]
+    for r in rows:
+        b = r["breakdown"]
+        parts = "/".join(f"{b[k]:.1f}" for k in ("draft_ms", "verify_ms", "commit_ms", "other_ms")) if b else "-"
+        agree = r.get("agreement")
+        agree = "-" if agree is None else f"{agree['mean_identical_prefix']:.0f}/{agree['of']}"
+        lines.append(f"{r['method']:>28} {r['tokens_per_s']:>8.1f} "
+                     f"{_span(r['speedup_vs_hf']):>17} {_span(r['speedup_vs_ar']):>17} {r['tau']:>5.2f} "
+                     f"{r['draft_passes']:>6.2f} {parts:>29} {agree:>8}")
+    return "\n".join(lines)
+
+
+def _span(values):
+    low, mid, high = values
+    return f"{mid:.2f} ({low:.2f}-{high:.2f})"
