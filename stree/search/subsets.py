@@ -12,7 +12,7 @@ rather than fewer leaves, and better-ranked rather than worse-ranked ones.
 
 The search is a depth-first branch and bound over the leaves in `order`, keep before prune, so subsets are visited
 in exactly the tie order and the first one reaching the optimum is the answer. A branch is cut when an upper bound on
-what its completions can reach is below the best value found (or equal to it, once a subset of that value is found).
+what its completions can reach is no more than the best value found so far (a later subset must do strictly better).
 The bound is exact for the tree part (a dynamic program over the nodes: a subtree is worth opening when its leaves
 pay for its unpaid nodes) and relaxes the coverage part per cluster (a Lagrangian bonus per leaf of a still-uncovered
 cluster). Two rules skip the keep branch without changing the answer: a leaf whose best possible gain is negative once
@@ -172,14 +172,11 @@ class _SearchState:
         if self.steps_left < 0:
             raise _OutOfSteps
         if r == len(self.order):
-            if self.kept and (self.best_value is None or value > self.best_value
-                              or (value == self.best_value and self.best is None)):
+            if self.kept and (self.best is None or value > self.best_value):
                 self.best, self.best_value = sorted(self.kept), value
             return
-        if self.best_value is not None:
-            bound = value + self.bound()
-            if bound < self.best_value or (bound == self.best_value and self.best is not None):
-                return
+        if self.best is not None and value + self.bound() <= self.best_value:
+            return
         i = self.order[r]
         k = self.cluster[i]
         self.undecided[i] = False
