@@ -1,18 +1,19 @@
-"""End-to-end decoding: HF autoregressive greedy vs vanilla speculative (chain) vs static trees, same prompts.
+"""End-to-end decoding: HF's own generate vs stree's autoregressive loop vs chain and tree decoding, same run.
 
-Reports tokens/s, tau (tokens per target pass) and speedup over autoregressive for each method, checks that every
-method's output equals the autoregressive one, and times the target's one-pass tree forward against its own
-single-token decode step for trees of 1 to 32 nodes (STree's tree-overhead figure, as a curve). Table on stdout,
-JSON in benchmarks/results/.
+Both regimes: the bundled trained pair (a 6.7M target: a decode step is bound by per-operation overhead) and, with
+--large, the same target inflated function-preservingly to 0.9B parameters (bound by reading weights), in the
+dtypes asked for, at temperatures 0 and 1. For every method: tokens/s, speedup over HF generate and over stree's
+own autoregressive loop (ranges over --repeats same-run repeats), tau, draft passes per round, a per-round
+breakdown (draft / verify / commit / other ms, host transfers) and, greedy, agreement with HF's output (all tokens
+equal in float32; the mean identical prefix in bf16 / fp16, where rounding differs between a tree pass and a decode
+step). Also the cost of a target tree pass of 1-32 nodes against HF's decode step and stree's own one-node pass.
+Table on stdout, JSON and a PNG in benchmarks/results/.
 
-    python benchmarks/generate.py                                  # built-in random pair (tau is meaningless)
-    python benchmarks/generate.py --target demo-target --draft demo-draft   # the bundled trained pair
-    python benchmarks/generate.py --target PATH --draft PATH       # any local HF checkpoints
-    python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers
-
-Temperatures 0 and 1 by default (--temperatures); beam trees run at temperature 0 only (they are not lossless when
-sampling). A PNG of speedup and tau against tree size is written when matplotlib is installed (pip install
--e ".[bench]").
+    python benchmarks/generate.py                                      # bundled pair, float32
+    python benchmarks/generate.py --dtypes float32 bfloat16 --large    # both regimes, both dtypes
+    python benchmarks/generate.py --compile                            # torch.compile'd passes (warm-up reported)
+    python benchmarks/generate.py --target PATH --draft PATH           # any local HF checkpoints
+    python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
 """
 import argparse
 import json
@@ -28,11 +29,12 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
-import stree  # noqa: E402
 from stree import BeamTree, DynamicTree, StaticTree, random_parents  # noqa: E402
+from stree.benchmark import compare, format_rows  # noqa: E402
 from stree.demo import demo_pair, held_out_prompts  # noqa: E402
-from stree.models import TreeModel, tiny_model  # noqa: E402
+from stree.models import TreeModel, inflate_bamba, tiny_model  # noqa: E402
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
 PRESETS = {
     "bamba-small": ("bamba", dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
@@ -46,16 +48,15 @@ PRESETS = {
 TREES = {
     "chain-4": StaticTree((1, 1, 1, 1)),
     "static-2211": StaticTree((2, 2, 1, 1)),
-    "static-3221": StaticTree((3, 2, 2, 1)),
-    "static-4321": StaticTree((4, 3, 2, 1)),
-    "dynamic-4": DynamicTree(budget=4, depth=4, top_k=2, frontier=1),
     "dynamic-8": DynamicTree(budget=8, depth=5, top_k=2, frontier=2),
-    "dynamic-12": DynamicTree(budget=12, depth=5, top_k=3, frontier=2),
     "dynamic-16": DynamicTree(budget=16, depth=6, top_k=3, frontier=3),
+    "dynamic-16-adaptive": DynamicTree(budget=16, depth=6, top_k=3, frontier=3, adaptive=True),
     "dynamic-32": DynamicTree(budget=32, depth=7, top_k=4, frontier=4),
-    "beam-2x4": BeamTree(beams=2, steps=4),
     "beam-4x4": BeamTree(beams=4, steps=4),
 }
+DEFAULT_TREES = ["chain-4", "dynamic-16", "dynamic-16-adaptive"]
+# The bundled target inflated to a realistic size (0.93B parameters, same outputs): --large.
+LARGE = dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192, num_layers=12)
 
 
 def load(name, dtype, device):
@@ -77,77 +78,64 @@ def timed(fn, device):
     return out, time.perf_counter() - start
 
 
-def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20):
-    """Median time of one tree pass of each size in `sizes` over one HF single-token decode step, on the same cached
-    prefix (random trees with at most 4 children per node). Returns {"decode_step_ms": ..., "trees": [{"nodes",
-    "ms", "ratio"}]}: the curve that decides how large a tree pays off on this device."""
+def median_ms(fn, device, reps):
+    times = sorted(timed(fn, device)[1] for _ in range(reps))
+    return 1e3 * times[len(times) // 2]
+
+
+def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20, compile=False):
+    """Median time of one target tree pass of each size in `sizes` over one HF single-token decode step and over
+    stree's own one-node pass, on the same prefix (random trees with at most 4 children per node). Returns
+    {"decode_step_ms", "stree_step_ms", "trees": [{"nodes", "ms", "ratio", "ratio_to_stree_step"}]}: the curve
+    that decides how large a tree pays off on this device."""
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
-    tm = TreeModel(model)
-    tm.prefill(prompt)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(prompt, cache=cache, use_cache=True, position_ids=torch.arange(prompt_len, device=device)[None])
-    step_token = prompt[:, :1]
     position = torch.tensor([[prompt_len]], device=device)
-    step_times = []
-    for _ in range(reps):
+
+    def hf_step():
         with torch.no_grad():
-            _, t = timed(lambda: model(step_token, cache=cache, use_cache=True, position_ids=position), device)
+            model(prompt[:, :1], cache=cache, use_cache=True, position_ids=position)
         for layer in cache.layers:  # drop the fed token from attention caches: every step sees the same prefix
             if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[..., :prompt_len, :], layer.values[..., :prompt_len, :]
-        step_times.append(t)
-    step_ms = 1e3 * sorted(step_times)[reps // 2]
-    trees = []
+
+    hf_step()
+    step_ms = median_ms(hf_step, device, reps)
+    rows, stree_step_ms = [], None
     for T in sizes:
         g = torch.Generator().manual_seed(T)
-        parents = torch.tensor([random_parents(T, g, max_children=4)], device=device)
-        tokens = torch.randint(0, model.config.vocab_size, (1, T), generator=g).to(device)
-        times = []
-        for _ in range(reps):
-            _, t = timed(lambda: tm.tree_forward(tokens, parents), device)
+        parents = [random_parents(T, g, max_children=4)]
+        tokens = torch.randint(0, model.config.vocab_size, (1, T), generator=g).tolist()
+        tm = TreeModel(model, nodes=T, pass_width=T if compile else None)
+        tm.prefill(prompt)
+        if compile:
+            tm.compile()
+
+        def tree_pass():
+            tm.tree_forward(tokens, parents)
             tm.discard()
-            times.append(t)
-        ms = 1e3 * sorted(times)[reps // 2]
-        trees.append(dict(nodes=T, ms=ms, ratio=ms / step_ms))
-    return dict(decode_step_ms=step_ms, trees=trees)
+
+        tree_pass()
+        ms = median_ms(tree_pass, device, reps)
+        stree_step_ms = ms if T == 1 else stree_step_ms
+        rows.append(dict(nodes=T, ms=ms, ratio=ms / step_ms,
+                         ratio_to_stree_step=ms / stree_step_ms if stree_step_ms else None))
+    return dict(decode_step_ms=step_ms, stree_step_ms=stree_step_ms, compiled=compile, trees=rows)
 
 
-def run_methods(target, draft, prompts, args, temperature, device):
-    """One row per method at one temperature: tokens/s, tau, mean tree size, speedup over autoregressive."""
-    n_tokens = len(prompts) * args.max_new_tokens
-    sampling = dict(do_sample=True, temperature=temperature, top_k=None) if temperature > 0 else dict(do_sample=False)
-    reference, ar_time = [], 0.0
-    with torch.no_grad():
-        for prompt in prompts:
-            out, t = timed(lambda: target.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                                   max_new_tokens=args.max_new_tokens, **sampling), device)
-            reference.append(out)
-            ar_time += t
-    ar_speed = n_tokens / ar_time
-    rows = [dict(temperature=temperature, method="autoregressive", mean_nodes=1.0, tokens_per_s=ar_speed, tau=1.0,
-                 speedup=1.0, exact=True)]
-    for name in args.trees:
-        spec = TREES[name]
-        if temperature > 0 and isinstance(spec, BeamTree):
-            continue
-        total, passes, sizes, exact = 0.0, [], [], True
-        for prompt, want in zip(prompts, reference):
-            (out, stats), t = timed(lambda: stree.generate(
-                target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                tree=spec, return_stats=True), device)
-            total += t
-            passes += stats.tokens_per_pass
-            sizes += stats.tree_sizes
-            exact &= torch.equal(out, want)
-        rows.append(dict(temperature=temperature, method=name, mean_nodes=sum(sizes) / len(sizes),
-                         tokens_per_s=n_tokens / total, tau=sum(passes) / len(passes),
-                         speedup=n_tokens / total / ar_speed, exact=exact if temperature == 0 else "n/a"))
-    return rows
+def print_overhead(label, overhead):
+    print(f"\n{label}: HF single-token decode step {overhead['decode_step_ms']:.2f} ms, stree one-node pass "
+          f"{overhead['stree_step_ms']:.2f} ms{' (compiled)' if overhead['compiled'] else ''}. A tree pass "
+          "(STree: 2.04x a step at 16 nodes on a 2.7B model, GPU):")
+    print(f"{'nodes':>6} {'ms':>8} {'x HF step':>10} {'x stree 1-node':>15}")
+    for row in overhead["trees"]:
+        print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>10.2f} {row['ratio_to_stree_step']:>15.2f}")
 
 
-def plot(rows, args):
-    """Speedup and tau against mean tree size, one marker per method, one colour per temperature."""
+def plot(tables, path):
+    """Speedup over HF generate (bars, with the repeat range) per method, one panel per target/dtype/temperature."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -155,89 +143,89 @@ def plot(rows, args):
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for temperature in sorted({r["temperature"] for r in rows}):
-        mine = [r for r in rows if r["temperature"] == temperature]
-        for ax, key in zip(axes, ("speedup", "tau")):
-            ax.scatter([r["mean_nodes"] for r in mine], [r[key] for r in mine], label=f"T={temperature}")
-            for r in mine:
-                ax.annotate(r["method"], (r["mean_nodes"], r[key]), fontsize=7)
-    for ax, key in zip(axes, ("speedup over autoregressive", "tau (tokens per target pass)")):
-        ax.set_xlabel("nodes per verified tree")
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"target {args.target}, draft {args.draft}")
+    fig, axes = plt.subplots(1, len(tables), figsize=(3.2 * len(tables) + 1, 3.6), squeeze=False)
+    for ax, table in zip(axes[0], tables):
+        rows = table["rows"]
+        mids = [r["speedup_vs_hf"][1] for r in rows]
+        errs = [[m - r["speedup_vs_hf"][0] for m, r in zip(mids, rows)],
+                [r["speedup_vs_hf"][2] - m for m, r in zip(mids, rows)]]
+        ax.bar(range(len(rows)), mids, yerr=errs, color="tab:blue")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(rows)), [r["method"].replace("dynamic-16-", "") for r in rows], rotation=60,
+                      ha="right", fontsize=7)
+        ax.set_title(f"{table['target']}\n{table['dtype']}, T={table['temperature']}", fontsize=8)
+        ax.set_ylabel("speedup over HF generate")
     fig.tight_layout()
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                        f"generate-{args.target.replace('/', '_')}.png")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="bamba-small",
+    parser.add_argument("--target", default="demo-target",
                         help=f"a local checkpoint, demo-target, or one of {list(PRESETS)}")
-    parser.add_argument("--draft", default="mamba2-draft", help="a local checkpoint, demo-draft, or a preset name")
-    parser.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
+    parser.add_argument("--draft", default="demo-draft", help="a local checkpoint, demo-draft, or a preset name")
+    parser.add_argument("--trees", nargs="+", default=DEFAULT_TREES, choices=list(TREES))
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--large", action="store_true", help="also the demo target inflated to 0.9B parameters")
+    parser.add_argument("--large-new-tokens", type=int, default=24)
+    parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--overhead-only", action="store_true", help="only the tree-forward overhead of --target")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generate-<target>-<device>.json)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"dtype {dtype}")
-    target = load(args.target, dtype, device)
-    n_target = sum(p.numel() for p in target.parameters())
-    print(f"target: {args.target} ({target.config.model_type}, {n_target / 1e6:.1f}M params)")
-    result = dict(device=device.type, device_name=name, dtype=args.dtype, target=args.target,
-                  target_params=n_target)
-    overhead = tree_overhead(target, device)
-    print(f"HF single-token decode step: {overhead['decode_step_ms']:.2f} ms. One tree pass over it "
-          "(STree: 2.04x at 16 nodes on a 2.7B model, GPU):")
-    print(f"{'nodes':>6} {'ms':>8} {'x step':>7}")
-    for row in overhead["trees"]:
-        print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>7.2f}")
-    result["tree_overhead"] = overhead
-    if not args.overhead_only:
-        draft = load(args.draft, dtype, device)
-        n_draft = sum(p.numel() for p in draft.parameters())
-        print(f"draft: {args.draft} ({draft.config.model_type}, {n_draft / 1e6:.1f}M params)")
-        target.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
-        if args.target == "demo-target":
-            source = "held-out standard-library code"
-            prompts = [p.to(device) for p in held_out_prompts(demo_pair()[2], args.prompts, args.prompt_len)]
-        else:
-            source = "random tokens"
-            prompts = [torch.randint(0, target.config.vocab_size, (1, args.prompt_len), device=device)
-                       for _ in range(args.prompts)]
-        print(f"prompts: {args.prompts} x {args.prompt_len} tokens of {source}, "
-              f"{args.max_new_tokens} new tokens each\n")
-        rows = []
-        for temperature in args.temperatures:
-            rows += run_methods(target, draft, prompts, args, temperature, device)
-        print(f"{'T':>4} {'method':>12} {'nodes':>6} {'tok/s':>9} {'tau':>6} {'speedup':>8} {'exact':>6}")
-        for row in rows:
-            print(f"{row['temperature']:>4} {row['method']:>12} {row['mean_nodes']:>6.1f} {row['tokens_per_s']:>9.1f} "
-                  f"{row['tau']:>6.2f} {row['speedup']:>8.2f} {str(row['exact']):>6}")
-        plot(rows, args)
-        result.update(draft=args.draft, draft_params=n_draft, prompts=args.prompts, prompt_len=args.prompt_len,
-                      max_new_tokens=args.max_new_tokens, rows=rows)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"generate-{args.target.replace('/', '_')}-{device.type}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}")
+    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
+    result = dict(device=device.type, device_name=name, threads=torch.get_num_threads(), target=args.target,
+                  compile=args.compile, overhead=[], tables=[])
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        target = load(args.target, dtype, device)
+        targets = [(args.target, target, args.max_new_tokens)]
+        if args.large:
+            targets.append((f"{args.target} inflated to 0.9B", inflate_bamba(target, **LARGE).to(device),
+                            args.large_new_tokens))
+        for label, model, new_tokens in targets:
+            params = sum(p.numel() for p in model.parameters())
+            overhead = tree_overhead(model, device, compile=args.compile)
+            print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
+            result["overhead"].append(dict(target=label, params=params, dtype=dtype_name, **overhead))
+            if args.overhead_only:
+                continue
+            draft = load(args.draft, dtype, device)
+            model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
+            if args.target == "demo-target":
+                source = "held-out standard-library code"
+                prompts = [p.to(device) for p in held_out_prompts(demo_pair()[2], args.prompts, args.prompt_len)]
+            else:
+                source = "random tokens"
+                prompts = [torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
+                           for _ in range(args.prompts)]
+            for temperature in args.temperatures:
+                trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
+                print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
+                      f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
+                rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,
+                               repeats=args.repeats, compile=args.compile)
+                print(format_rows(rows))
+                result["tables"].append(dict(target=label, params=params, dtype=dtype_name, temperature=temperature,
+                                             new_tokens=new_tokens, prompts=args.prompts, rows=rows))
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = f"generate-{args.target.replace('/', '_')}-{device.type}{'-compiled' if args.compile else ''}"
+    out = args.out or os.path.join(RESULTS, stem + ".json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {out}")
+    if result["tables"]:
+        plot(result["tables"], os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":

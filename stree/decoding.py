@@ -185,9 +185,14 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         stats.tree_sizes.append(1)
         stats.tokens_per_pass.append(1)
         done = emit([token])
-    costs = RoundCosts()  # what adaptive trees decide their size with
+    costs = RoundCosts()  # what adaptive trees decide their size with: kept on the target across calls
     if not done and getattr(spec, "adaptive", False):
-        _calibrate(costs, target, draft, target_nodes, draft_width, spec.frontier, root)
+        kept = model.__dict__.setdefault("_stree_costs", {})
+        key = (id(draft_model), spec, compile, str(model.dtype))
+        if key not in kept:
+            with clock("prefill_time"):  # setup, not decoding
+                kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, draft_width, spec.frontier, root)
+        costs = kept[key]
     while not done:
         round_start, spent = time.perf_counter(), (stats.draft_time, stats.verify_time)
         with clock("draft_time"):
@@ -246,6 +251,7 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
     costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))
     costs.verify = one - costs.verify_node
     costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
+    return costs
 
 
 def _tree_model(model, compile, nodes, pass_width):
