@@ -123,8 +123,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         streamer: an HF streamer (e.g. TextStreamer): gets the prompt, then each round's new tokens, then end().
         stopping_criteria: an HF StoppingCriteriaList, checked after every new token as HF does.
         compile: run every draft and target pass with fixed shapes through torch.compile (inductor on CPU, CUDA
-            graphs on CUDA). The first call per model and tree shape pays the compilation (tens of seconds on a
-            CPU); later calls reuse it. Off by default: see the README for when it pays.
+            graphs on CUDA); a dict gives torch.compile's options (e.g. {"backend": "aot_eager"}). The first call
+            per model and tree shape pays the compilation (tens of seconds on a CPU); later calls reuse it. Off by
+            default: see the README for when it pays.
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
@@ -188,7 +189,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     costs = RoundCosts()  # what adaptive trees decide their size with: kept on the target across calls
     if not done and getattr(spec, "adaptive", False):
         kept = model.__dict__.setdefault("_stree_costs", {})
-        key = (id(draft_model), spec, compile, str(model.dtype))
+        key = (id(draft_model), spec, bool(compile), str(model.dtype))
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
                 kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, draft_width, spec.frontier, root)
@@ -255,11 +256,13 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
 
 
 def _tree_model(model, compile, nodes, pass_width):
-    """A TreeModel of `model`: a new eager one, or with compile=True the compiled one kept on the model for these
-    shapes (so compilation is paid once per model and tree shape)."""
+    """A TreeModel of `model`: a new eager one, or with compile (True or torch.compile options) the compiled one
+    kept on the model for these shapes and options (so compilation is paid once per model and tree shape)."""
     if not compile:
         return TreeModel(model, nodes=nodes)
+    options = {} if compile is True else dict(compile)
     kept = model.__dict__.setdefault("_stree_compiled", {})
-    if (nodes, pass_width) not in kept:
-        kept[nodes, pass_width] = TreeModel(model, nodes=nodes, pass_width=pass_width).compile()
-    return kept[nodes, pass_width]
+    key = (nodes, pass_width, tuple(sorted(options.items())))
+    if key not in kept:
+        kept[key] = TreeModel(model, nodes=nodes, pass_width=pass_width).compile(**options)
+    return kept[key]

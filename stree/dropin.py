@@ -40,17 +40,19 @@ def _effective_config(model, generation_config, kwargs):
     return config
 
 
-def enable(model, *, tree=DEFAULT_TREE):
+def enable(model, *, tree=DEFAULT_TREE, compile=False):
     """Patch `model.generate` (this instance only) so that a draft_model= argument selects tree decoding.
 
     tree: the default draft tree (a branching tuple, StaticTree, DynamicTree or BeamTree); a call may pass tree=.
+    compile: run the passes through torch.compile (stree.generate's compile=); a call may pass stree_compile=.
     Returns the model. stree.disable(model) restores HF's generate.
     """
     TreeModel(model)  # fails now, with the list of supported families, rather than at the first call
     hf_generate = model.generate
 
     def tree_generate(inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
-                      draft_model=None, streamer=None, attention_mask=None, tree=tree, **kwargs):
+                      draft_model=None, streamer=None, attention_mask=None, tree=tree, stree_compile=compile,
+                      **kwargs):
         if draft_model is None:
             return hf_generate(inputs, generation_config, logits_processor, stopping_criteria, streamer=streamer,
                                attention_mask=attention_mask, **kwargs)
@@ -69,7 +71,7 @@ def enable(model, *, tree=DEFAULT_TREE):
                         top_p=config.top_p if config.top_p < 1.0 else None) if config.do_sample else {}
         return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max(max_new, 0),
                         min_new_tokens=min_new, eos_token_id=config.eos_token_id, tree=tree, streamer=streamer,
-                        stopping_criteria=stopping_criteria, **sampling)
+                        stopping_criteria=stopping_criteria, compile=stree_compile, **sampling)
 
     model.generate = tree_generate
     return model

@@ -207,3 +207,25 @@ def test_dynamic_tree_budget_must_hold_the_roots_children():
     out = stree.generate(target, prompts([3])[0], draft_model=target, max_new_tokens=12, temperature=1.0,
                          tree=stree.DynamicTree(budget=2, top_k=2, frontier=1), generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 15)
+
+
+def test_fixed_shape_compiled_passes_equal_hf():
+    """compile= runs every pass with fixed shapes through torch.compile (here the aot_eager backend: dynamo's
+    tracing and functionalisation without inductor's C++ build, to keep the test fast): greedy output equal to HF,
+    the traced graphs reused across calls (no recompilation for a second prompt), and sampling still runs."""
+    import torch._dynamo
+    target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=2))
+    draft = noisy_copy(target, 0.02, 1)
+    torch._dynamo.reset()
+    options = {"backend": "aot_eager"}
+    counts = torch._dynamo.utils.counters
+    for prompt in prompts([5, 9], seed=3):
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options)
+        assert torch.equal(out, hf_greedy(target, prompt, 24))
+        if prompt.shape[1] == 5:
+            frames = counts["stats"]["unique_graphs"]
+    assert frames == 2  # one graph for the target's pass, one for the draft's
+    assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
+    sampled = stree.generate(target, prompts([4])[0], draft_model=draft, max_new_tokens=16, temperature=1.0,
+                             compile=options, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (1, 20)
