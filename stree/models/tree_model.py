@@ -148,6 +148,7 @@ class TreeModel:
             raise ValueError("compile() needs fixed pass shapes: build the TreeModel with pass_width=...")
         if self.device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")
+            self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
         # Every TreeModel compiles the same function: its shapes (a target's, a draft's, ...) each take one entry of
         # dynamo's per-function cache, whose default of 8 entries a few pairs would exhaust.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -213,6 +214,8 @@ class TreeModel:
             for layers, _ in self._layers.values():
                 layers.reserve(tree.capacity)
             cache.reserve(cache.length + tree.capacity)
+            if getattr(self, "_static_buffers", False):
+                self._mark_static()
             if width > R:
                 tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
             inputs = tree.pass_inputs(start, width, cache.length, device)
@@ -258,6 +261,16 @@ class TreeModel:
         self._pass = TreePass(index, rows, inputs["levels"])
         hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
         return self.logits(hidden.index_select(1, head_rows)), index
+
+    def _mark_static(self):
+        """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
+        in place); buffers are reallocated only when they grow, which recompiles anyway."""
+        adapters = {id(a): a for a, _ in self._layers.values()}.values()
+        tensors = [*self.cache.keys.values(), *self.cache.values.values()]
+        tensors += [t for g in self.cache.groups for t in (g.conv, g.recurrent) if t is not None]
+        tensors += [t for a in adapters for t in vars(a).values() if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
     def _tree_forward_of(self, layer_idx):
         def forward(hidden_states, *args, **kwargs):
