@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..triton_kernels import tree_conv1d, tree_conv_state, tree_scan, tree_states
+from ..triton_kernels.utils import as_dtype
 
 MIXER_ATTRIBUTES = ("A_log", "dt_bias", "D", "conv1d", "in_proj", "out_proj", "norm", "layer_idx")
 
@@ -46,6 +47,7 @@ class Mamba2Layers:
                      m.ssm_state_size)
         self.A = [-torch.exp(m.A_log.float()) for m in mixers]
         self.A_all = torch.cat(self.A)  # stacked along heads for the commit
+        self.conv_weight = [m.conv1d.weight[:, 0] for m in mixers]  # (conv_dim, K) views
         self.capacity = 0
 
     def reserve(self, capacity):
@@ -62,6 +64,12 @@ class Mamba2Layers:
             for new, kept in zip((self.xbc, self.conv, self.dt), old):
                 new[:, :, :kept.shape[2]] = kept
         self.capacity = capacity
+        # Each layer's views, made once: a pass then spends no operation on slicing them.
+        I, GN, H, P, G, N = self.dims
+        self.views = [dict(xbc=self.xbc[j], conv=self.conv[j], dt=self.dt[j],
+                           x=self.conv[j][..., :I].unflatten(-1, (H, P)),
+                           B=self.conv[j][..., I:I + GN].unflatten(-1, (G, N)),
+                           C=self.conv[j][..., I + GN:].unflatten(-1, (G, N))) for j in range(n)]
 
     def forward(self, j, hidden_states, tree_pass, conv_state, ssm_state):
         """Layer j over the pass's new nodes. hidden_states (batch, R, hidden) of nodes tree_pass.rows (R,);
@@ -79,21 +87,21 @@ class Mamba2Layers:
         if falcon:
             projected = projected * mixer.mup_vector
         gate, xbc, dt = projected.split([I, I + 2 * GN, H], dim=-1)
-        self.xbc[j].index_copy_(1, rows, xbc)
-        self.dt[j].index_copy_(1, rows, F.softplus(dt + mixer.dt_bias.to(dt.dtype)))
+        view = self.views[j]
+        view["xbc"].index_copy_(1, rows, xbc)
+        view["dt"].index_copy_(1, rows, F.softplus(dt + as_dtype(mixer.dt_bias, dt.dtype)))
         # Only the new nodes are computed; the earlier ones act as their ancestors through the buffers.
-        conv = tree_conv1d(self.xbc[j], mixer.conv1d.weight[:, 0], mixer.conv1d.bias, index, conv_state,
+        conv = tree_conv1d(view["xbc"], self.conv_weight[j], mixer.conv1d.bias, index, conv_state,
                            activation=mixer.activation, rows=rows, validate=False)
-        seen = self.conv[j].index_copy_(1, rows, conv)
-        y = tree_scan(seen[..., :I].unflatten(-1, (H, P)), self.dt[j], self.A[j],
-                      seen[..., I:I + GN].unflatten(-1, (G, N)), seen[..., I + GN:].unflatten(-1, (G, N)), index,
-                      D=mixer.D, initial_states=ssm_state, rows=rows, validate=False)
+        view["conv"].index_copy_(1, rows, conv)
+        y = tree_scan(view["x"], view["dt"], self.A[j], view["B"], view["C"], index, D=mixer.D,
+                      initial_states=ssm_state, rows=rows, validate=False)
         y = y.reshape(batch, R, I)
         if falcon and not mixer.mamba_rms_norm:
             y = y * F.silu(gate)
         else:
             y = mixer.norm(y, gate)
-        return mixer.out_proj(y.to(dtype))
+        return mixer.out_proj(as_dtype(y, dtype))
 
     def commit(self, index, nodes):
         """Overwrite every layer's conv and SSM states, in place, with those after path(nodes[b]) of the tree
