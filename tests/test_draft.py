@@ -83,3 +83,50 @@ def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, 
     assert drafted.tokens[:len(trunk)] == trunk
     want = reference(model, prompt[0].tolist() + trunk, spec)
     assert drafted_paths(drafted, len(trunk)) == want
+
+
+def brute_force_rate(costs, probs, passes):
+    """max over k of (1 + c * sum(top k)) / round_time(passes, 1 + k), by trying every k."""
+    return max(((1 + costs.calibration * sum(probs[:k])) / costs.round_time(passes, 1 + k), k)
+               for k in range(len(probs) + 1))
+
+
+def test_round_costs_keep_the_best_number_of_nodes():
+    from stree.draft import RoundCosts
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        costs = RoundCosts(draft=float(torch.rand(1, generator=g)), verify=float(torch.rand(1, generator=g)) + 0.1,
+                           verify_node=float(torch.rand(1, generator=g)) * 0.3, other=0.05,
+                           calibration=float(torch.rand(1, generator=g)) + 0.3)
+        probs = sorted(torch.rand(12, generator=g).pow(3).tolist(), reverse=True)
+        rate, k = costs.best_rate(probs, 3)
+        want_rate, want_k = brute_force_rate(costs, probs, 3)
+        assert abs(rate - want_rate) < 1e-12 and (k == want_k or abs(
+            (1 + costs.calibration * sum(probs[:k])) / costs.round_time(3, 1 + k) - want_rate) < 1e-12)
+
+
+@pytest.mark.parametrize("draft_cost, verify_node, depth_at_most, nodes_at_least", [
+    (10.0, 0.0, 1, 3),      # a draft pass costs ten target passes: stop after the root's children
+    (1e-6, 0.0, 5, 9),      # draft passes are free and target rows too: draft the full depth, keep the budget
+    (1e-6, 10.0, 5, 0),     # every target node costs ten passes: keep (almost) none
+])
+def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_most, nodes_at_least):
+    """The adaptive tree drafts fewer levels when draft passes are dear and keeps fewer nodes when target rows are
+    dear; its kept nodes are always the most probable (a subset of the fixed-depth reference)."""
+    from stree.draft import RoundCosts
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(0))
+    spec = DynamicTree(budget=9, depth=5, top_k=3, frontier=2, adaptive=True)
+    costs = RoundCosts(draft=draft_cost, verify=1.0, verify_node=verify_node, other=0.0)
+    draft = TreeModel(model)
+    draft.prefill(prompt)
+    drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs)
+    kept = drafted_paths(drafted, 1)
+    assert drafted.passes <= depth_at_most and len(kept) >= min(nodes_at_least, 9)
+    if verify_node >= 10:
+        assert len(kept) <= 1
+    fixed = reference_dynamic(model, prompt[0].tolist() + [5], DynamicTree(budget=9, depth=drafted.passes, top_k=3,
+                                                                           frontier=2))
+    assert kept <= fixed

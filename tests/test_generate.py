@@ -54,6 +54,7 @@ def test_greedy_equals_hf_generate(family):
 
 @pytest.mark.parametrize("tree", [(1, 1, 1, 1), (3, 2, 2, 1), (2,), (4, 1, 3), stree.DynamicTree(),
                                   stree.DynamicTree(budget=5, depth=8, top_k=2, frontier=1),
+                                  stree.DynamicTree(adaptive=True),
                                   stree.BeamTree(), stree.BeamTree(beams=2, steps=6)])
 def test_long_output_any_tree(tree):
     target = without_eos(tiny_model("bamba", dtype=torch.float64, seed=3))
