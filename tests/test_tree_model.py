@@ -7,6 +7,13 @@ from stree import random_parents
 from stree.models import TINY_CONFIGS, TreeModel, tiny_model
 
 FAMILIES = sorted(TINY_CONFIGS)
+# HF's Mamba1 decode step and its gated delta rule compute in fp32 even in float64 models (stree computes in float64):
+# those families are compared with HF at fp32 tolerance; tree passes are compared with each other at 1e-7 throughout.
+FP32_IN_HF = {"mamba", "falcon_mamba", "jamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"}
+
+
+def hf_tol(family):
+    return 2e-5 if family in FP32_IN_HF else 1e-6
 
 
 def decode_sequentially(model, prompt, continuation):
@@ -43,7 +50,7 @@ def assert_tree_logits_match_sequential(model, prompt_len, T, seed, tol):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_logits_equal_sequential_decode_of_each_path(family):
     assert_tree_logits_match_sequential(tiny_model(family, dtype=torch.float64), prompt_len=9, T=12, seed=1,
-                                        tol=1e-6)
+                                        tol=hf_tol(family))
 
 
 def hf_tensors(cache):
@@ -73,13 +80,13 @@ def state_tensors(state):
     return out
 
 
-def assert_cache_is_after(tm, model, prompt, path):
+def assert_cache_is_after(tm, model, prompt, path, tol=1e-6):
     """tm's state equals HF's after sequentially decoding prompt + path (token ids), tensor by tensor."""
     _, ref_cache = decode_sequentially(model, prompt, path)
     got, want = state_tensors(tm.cache), hf_tensors(ref_cache)
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), rtol=tol, atol=tol, msg=name)
 
 
 def one_pass_logits(model, prompt, tokens, parents):
@@ -101,13 +108,13 @@ def test_commit_equals_feeding_the_path(family, accepted):
     tm.commit(torch.tensor([accepted]))
     path = [tokens[k] for k in path_to(parents, accepted)] if accepted >= 0 else []
     assert tm.length == 7 + len(path)
-    assert_cache_is_after(tm, model, prompt, path)
+    assert_cache_is_after(tm, model, prompt, path, hf_tol(family))
     # The committed cache keeps working: two more trees on top still equal sequential decoding.
     tm.tree_forward(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]))
     tm.commit(torch.tensor([1]))
     got_logits = tm.tree_forward(torch.tensor([[7]]), torch.tensor([[-1]]))[0, 0]
     want_logits, _ = decode_sequentially(model, prompt, path + [5, 6, 7])
-    torch.testing.assert_close(got_logits.double(), want_logits.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_logits.double(), want_logits.double(), rtol=hf_tol(family), atol=hf_tol(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,7 +137,7 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     rows = grown.extend(torch.tensor([tokens[9:]]), torch.tensor([parents[9:]]), logits_for=[3, 0])[0]
     torch.testing.assert_close(rows, want[[12, 9]], rtol=1e-7, atol=1e-7)
     grown.commit(torch.tensor([12]))
-    assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)])
+    assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)], hf_tol(family))
 
 
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):

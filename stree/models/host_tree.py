@@ -79,6 +79,11 @@ class HostTree:
         self.n = n + R
         return n, self.n
 
+    def levels(self, start):
+        """Nodes on the longest chain among nodes start .. n-1 (0 if there are none): the sequential steps a pass over
+        them needs when each node's state comes from its parent's."""
+        return int(self._mask[:, start:self.n, start:self.n].sum(-1).max(initial=0))
+
     def truncate(self, n):
         """Forget every node from n on (a failed pass)."""
         self.n = min(self.n, n)

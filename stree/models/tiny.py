@@ -3,7 +3,7 @@ import torch
 import transformers
 
 # Each: config class name, model class name, config kwargs (hidden 32, vocab 64, 2-4 layers; every hybrid has at
-# least one attention layer, mamba2 has none).
+# least one attention layer; mamba2, mamba and falcon_mamba have none).
 TINY_CONFIGS = {
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=2,
@@ -34,6 +34,48 @@ TINY_CONFIGS = {
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=16,
         intermediate_size=48, num_attention_heads=4, num_key_value_heads=4, num_mem_blocks=1,
         use_shared_attention_adapter=True, adapter_rank=4)),
+    # Mamba1 selective scan
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        initializer_range=0.5)),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        mixer_rms_eps=1e-6, initializer_range=0.3)),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)),
+    # Gated DeltaNet (qwen3_5 / qwen3_5_moe: the text models AutoModelForCausalLM loads for those checkpoints)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, mlp_only_layers=[0, 2],
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"])),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, pad_token_id=0,
+        eos_token_id=1, layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # short convolutions
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, conv_L_cache=3, conv_bias=True, initializer_range=0.5,
+        layer_types=["conv", "full_attention", "conv"])),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, num_dense_layers=1, num_experts=4,
+        num_experts_per_tok=2, layer_types=["conv", "full_attention"])),
 }
 
 

@@ -35,7 +35,8 @@ SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
 # Families without attention layers (no attention buffers, no mask).
 ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
 # Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers); a kind may
-# also provide check(module), raising ValueError at construction for a configuration it does not implement.
+# also provide check(module), raising ValueError at construction for a configuration it does not implement, and
+# SEQUENTIAL = True when its passes walk the new nodes' levels (TreePass.levels).
 MIXER_KINDS = (Mamba2Layers, Mamba1Layers, GatedDeltaLayers, ShortConvLayers)
 # Families whose CausalLM forward rescales the LM head's output.
 LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
@@ -87,6 +88,7 @@ class TreeModel:
             raise ValueError(f"found no supported mixer in this {model_type} model")
         for i, mixer in self.mixers.items():
             getattr(self.kinds[i], "check", lambda module: None)(mixer)
+        self._sequential = any(getattr(kind, "SEQUENTIAL", False) for kind in self.kinds.values())  # needs levels
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
@@ -219,7 +221,7 @@ class TreeModel:
             if width > R:
                 tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
             inputs = tree.pass_inputs(start, width, cache.length, device)
-            inputs["levels"] = tree.levels(start)
+            inputs["levels"] = tree.levels(start) if self._sequential else 1
             if self.pass_width is not None:  # fixed shapes: the level count only grows, so compiled passes are kept
                 inputs["levels"] = self._levels = max(self._levels, inputs["levels"])
             head_rows = torch.arange(R) if logits_for is None else logits_for
