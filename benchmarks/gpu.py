@@ -15,7 +15,9 @@ DIR/summary.json are rewritten after every step.
   2 kernels      benchmarks/kernels.py: a T-node tree scan vs one decode step, T steps, unrolled paths and HF's
                  chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
                                                                                           -> step2-kernels.json
-  3 generate     benchmarks/generate.py, once per GENERATE_RUNS entry        -> step3-generate-<name>.json
+  3 generate     benchmarks/generate.py once per GENERATE_RUNS entry: the bundled pair (and its target inflated
+                 to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager and
+                 compiled, and the tree-pass cost curve at the Mamba2-2.7B shape   -> step3-generate-<name>.json
 """
 import argparse
 import importlib.util
@@ -32,28 +34,48 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything im
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # ---- Step 3: benchmarks/generate.py's command lines, written here only (its owner is adding flags). ----------
-# name: (arguments on a GPU, arguments for --dry-run: tiny built-in presets and a few tokens, budget s (GPU, dry))
+# name: (arguments on a GPU, arguments for --dry-run or None: tiny built-in presets and a few tokens,
+#        budget in seconds (GPU, dry)). generate.py puts its PNG beside its --out JSON.
 GENERATE_RUNS = {
-    "bundled-pair": (["--target", "demo-target", "--draft", "demo-draft", "--dtype", "bfloat16",
+    "bundled-pair": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16", "--large",
                       "--temperatures", "0", "1"],
-                     ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4",
-                      "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens", "4"],
-                     (120, 150)),
-    "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtype", "bfloat16"],
-                             None, (60, 0)),  # the dry run's bundled-pair run already times the tree overhead
+                     ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4", "--dtypes",
+                      "float32", "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens",
+                      "4", "--repeats", "1"],
+                     (110, 150)),
+    "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
+                               "--temperatures", "0", "--compile"], None, (80, 0)),
+    "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
+                             None, (40, 0)),  # the dry run's bundled-pair run already times the tree overhead
 }
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and benchmarks/kernels.py's arguments. ------
-BUDGETS = {"equivalence": (180, 120), "kernels": (90, 120)}  # dry-run budgets: a safety net on a loaded CPU
+BUDGETS = {"equivalence": (160, 120), "kernels": (70, 120)}  # dry-run budgets: a safety net on a loaded CPU
 KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
                  "--dtype", "bfloat16", "--min-time", "0.3"],
                 ["--shapes", "tiny", "--sizes", "4", "--dtype", "float32", "--backend", "triton", "--min-time", "0",
                  "--min-reps", "1"])
 EQUIVALENCE_SIZES = ((16, 64), (5,))                   # trees checked at every real shape (GPU, dry run)
+PYTEST_BUDGET = (100, 90)                              # seconds of step 1's budget pytest may take
 PYTEST_ARGS = (["tests/test_tree_scan.py", "tests/test_tree_conv.py", "tests/test_tree_selective_scan.py",
                 "tests/test_tree_gated_delta.py"],  # every kernel's tests, natively on CUDA
                ["tests/test_tree_scan.py", "tests/test_tree_conv.py", "-k", "chain_equals_hf"])  # a few, interpreted
 TINY_SHAPE = dict(nheads=4, headdim=16, dstate=16, ngroups=2, conv_width=4, conv_dim=96)
 TOLERANCE = {"float32": 2e-4, "bfloat16": 6e-2, "float16": 2e-2}  # max |error| / max |reference|, as the tests
+
+
+def run_bounded(command, seconds, log, env, group=True):
+    """Run `command` in ROOT with its output in the file `log` and stop it after `seconds`: with every process it
+    started when `group` (it gets its own process group), else itself only (it stays in ours, so that stopping us
+    stops it). Returns the exit code, or None when it was stopped."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=group)
+        try:
+            return proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            proc.wait()
+            return None
 
 
 def write_json(path, data):
@@ -193,13 +215,17 @@ def step_equivalence(out, dry):
     result = dict(versions())
     junit = os.path.join(out, "step1-pytest.xml")
     start = time.perf_counter()
+    write_json(path, result)
     if importlib.util.find_spec("pytest") is None:
         result["pytest"] = dict(exit_code=None, error="pytest is not installed: bring its wheels (pip download pytest)")
     else:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                               *PYTEST_ARGS[dry]], cwd=ROOT, capture_output=True, text=True)
-        result["pytest"] = dict(pytest_counts(junit) if os.path.exists(junit) else {}, exit_code=proc.returncode,
-                                seconds=time.perf_counter() - start, tail=proc.stdout[-2000:])
+        log = os.path.join(out, "step1-pytest.log")
+        code = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                            *PYTEST_ARGS[dry]], PYTEST_BUDGET[dry], log, os.environ, group=False)
+        with open(log) as f:
+            tail = f.read()[-2000:]
+        result["pytest"] = dict(pytest_counts(junit) if os.path.exists(junit) else {}, exit_code=code,
+                                seconds=time.perf_counter() - start, tail=tail)
     write_json(path, result)  # written now: the shape checks below may run out of time
     device = "cpu" if dry else "cuda"
     shapes = {"tiny": TINY_SHAPE} if dry else {k: v for k, v in aot.MODEL_SHAPES.items() if "dstate" in v}
@@ -210,7 +236,7 @@ def step_equivalence(out, dry):
         result["shapes"] = rows
         write_json(path, result)
         print(f"{name}: {sum(r['ok'] for r in rows)}/{len(rows)} within tolerance so far", flush=True)
-    result["ok"] = result["pytest"]["exit_code"] == 0 and all(r["ok"] for r in rows)
+    result["ok"] = result["pytest"]["exit_code"] == 0 and bool(rows) and all(r["ok"] for r in rows)
     write_json(path, result)
     return 0 if result["ok"] else 1
 
@@ -225,16 +251,12 @@ def plan(out, dry):
     kernels_json = os.path.join(out, "step2-kernels.json")
     steps.append(("kernels", [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), *KERNELS_ARGS[dry],
                               "--out", kernels_json], BUDGETS["kernels"][dry], kernels_json))
-    # generate.py saves a PNG into benchmarks/results: hide matplotlib so that no run overwrites the committed plots.
-    wrapper = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
-               "runpy.run_path(sys.argv[0], run_name='__main__')")
     for name, (gpu_args, dry_args, budgets) in GENERATE_RUNS.items():
         arguments = dry_args if dry else gpu_args
         if arguments is None:
             continue
         path = os.path.join(out, f"step3-generate-{name}.json")
-        steps.append((f"generate:{name}", [sys.executable, "-c", wrapper, os.path.join(ROOT, "benchmarks",
-                                                                                        "generate.py"),
+        steps.append((f"generate:{name}", [sys.executable, os.path.join(ROOT, "benchmarks", "generate.py"),
                                            *arguments, "--out", path], budgets[dry], path))
     return steps
 
@@ -255,18 +277,13 @@ def headline(name, path):
             return "; ".join(f"{r['shape']} T={r['T']}: tree/step1 {r['ratios']['tree_over_step1']:.2f}, "
                              f"tree/hf_chunk {r['ratios']['tree_over_hf_chunk']:.2f}"
                              for r in data["results"] if r["T"] in (4, 16))
-        text = ""
-        if "tree_overhead" in data:
-            text = "tree pass / decode step: " + ", ".join(f"{t['nodes']} nodes {t['ratio']:.2f}x"
-                                                           for t in data["tree_overhead"]["trees"])
-        if data.get("rows"):
-            best = {}
-            for r in data["rows"]:
-                if r["method"] != "autoregressive" and r["speedup"] > best.get(r["temperature"], {}).get("speedup", 0):
-                    best[r["temperature"]] = r
-            text += "; best speedup " + ", ".join(f"T={t}: {r['method']} {r['speedup']:.2f}x (tau {r['tau']:.2f})"
-                                                  for t, r in best.items())
-        return text
+        parts = [f"{o['target']} {o['dtype']}: 16-node pass " + ", ".join(
+            f"{t['ratio']:.2f}x HF's step" for t in o["trees"] if t["nodes"] == 16) for o in data.get("overhead", [])]
+        for table in data.get("tables", []):
+            best = max(table["rows"], key=lambda r: r["speedup_vs_hf"][1])
+            parts.append(f"{table['target']} {table['dtype']} T={table['temperature']}: best {best['method']} "
+                         f"{best['speedup_vs_hf'][1]:.2f}x HF generate (tau {best['tau']:.2f})")
+        return "; ".join(parts)
     except Exception as e:  # noqa: BLE001 - a headline is a convenience; the JSON is the record
         return f"(no headline: {type(e).__name__}: {e})"
 
@@ -289,16 +306,8 @@ def run_all(out, dry):
     for name, command, budget, path in plan(out, dry):
         print(f"== {name} (budget {budget} s)", flush=True)
         start = time.perf_counter()
-        with open(os.path.join(out, f"{name.replace(':', '-')}.log"), "w") as log:
-            step = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group: a timeout stops its children
-            try:
-                code = step.wait(timeout=budget)
-                status = "ok" if code == 0 else f"failed (exit {code})"
-            except subprocess.TimeoutExpired:
-                os.killpg(step.pid, signal.SIGKILL)
-                step.wait()
-                status = f"stopped at its {budget} s budget"
+        code = run_bounded(command, budget, os.path.join(out, f"{name.replace(':', '-')}.log"), env)
+        status = f"stopped at its {budget} s budget" if code is None else "ok" if code == 0 else f"failed (exit {code})"
         found = path if os.path.exists(path) else None
         rows.append(dict(step=name, status=status, seconds=time.perf_counter() - start, budget=budget, json=found,
                          headline=headline(name.split(":")[0], found) if found else "no JSON"))
