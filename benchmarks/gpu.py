@@ -73,7 +73,10 @@ def run_bounded(command, seconds, log, env, group=True):
         try:
             return proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
             proc.wait()
             return None
 

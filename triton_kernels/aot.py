@@ -9,7 +9,8 @@ this package is collected by ``launches``; a module that needs shape fields a fa
     from stree.triton_kernels import aot
     results = aot.check(aot.launches(["mamba2-2.7b"], [16], [torch.bfloat16]), archs=[80, 90])
 
-Needs triton >= 3.3 (the ASTSource signature-by-name API); benchmarks/gpu.py --compile-only is the command line.
+Uses triton's own JIT binder to specialize launches as the JIT would (checked with triton 3.6 and 3.9); the command
+line is `python benchmarks/gpu.py --compile-only`.
 """
 import dataclasses
 import importlib
