@@ -9,9 +9,10 @@ command that measures everything the first few minutes a GPU is lent.
 Each step runs as a subprocess under its own time budget (BUDGETS, GENERATE_RUNS) and writes its JSON into DIR as
 soon as it finishes, so a step that fails or overruns loses nothing written before it; DIR/summary.md and
 DIR/summary.json are rewritten after every step.
-  1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device), then the Mamba2
-                 kernels at the real layer shapes of aot.MODEL_SHAPES: Triton vs the PyTorch reference vs the
-                 naive loops of tests/loops.py, in fp32, bf16 and fp16                   -> step1-equivalence.json
+  1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device); the TreeModel's
+                 tree pass and stree.generate on tiny CUDA models of seven families against HF's own decoding;
+                 then the Mamba2 kernels at the real layer shapes of aot.MODEL_SHAPES: Triton vs the PyTorch
+                 reference vs the naive loops of tests/loops.py, in fp32, bf16 and fp16  -> step1-equivalence.json
   2 kernels      benchmarks/kernels.py: a T-node tree scan vs one decode step, T steps, unrolled paths and HF's
                  chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
                                                                                           -> step2-kernels.json
@@ -30,6 +31,9 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
+# package that transformers probes for when it is imported. Drop the folder first.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -210,6 +214,51 @@ def check_real_shape(name, shape, T, device, dtypes):
     return out
 
 
+MODEL_FAMILIES = (("bamba", "nemotron_h", "falcon_h1", "zamba2", "jamba", "qwen3_next", "lfm2"), ("bamba",))
+
+
+def check_models(device, families):
+    """The TreeModel's one-pass tree logits against HF's own sequential decoding of each node's path, and
+    stree.generate's greedy output against HF's generate, for tiny float32 models of each family on `device`
+    (TF32 off: exact float32 matmuls). Rows of family, check, error / equal."""
+    import torch
+    import stree
+    from stree import random_parents
+    from stree.models import TreeModel, tiny_model
+    from transformers import DynamicCache
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    for family in families:
+        model = tiny_model(family, dtype=torch.float32, seed=1).to(device)
+        g = torch.Generator().manual_seed(2)
+        prompt = torch.randint(0, 64, (1, 9), generator=g).to(device)
+        parents = random_parents(10, g, max_children=3)
+        tokens = torch.randint(0, 64, (10,), generator=g).tolist()
+        tm = TreeModel(model)
+        tm.prefill(prompt)
+        logits = tm.tree_forward([tokens], [parents])[0].float()
+        worst = 0.0
+        with torch.no_grad():
+            for i in range(10):
+                path, node = [], i
+                while node >= 0:
+                    path.insert(0, tokens[node])
+                    node = parents[node]
+                cache = DynamicCache(config=model.config)
+                ids = torch.cat([prompt, torch.tensor([path], device=device)], dim=1)
+                want = model(ids, cache=cache, use_cache=True,
+                             position_ids=torch.arange(ids.shape[1], device=device)[None]).logits[0, -1].float()
+                worst = max(worst, float((logits[i] - want).abs().max() / want.abs().max()))
+        rows.append(dict(family=family, check="tree logits vs HF", error=worst, ok=worst < 1e-3))
+        model.generation_config.eos_token_id = None
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, do_sample=False)
+        got = stree.generate(model, prompt, draft_model=model, max_new_tokens=48, tree=stree.DynamicTree(8, 4, 2, 2))
+        rows.append(dict(family=family, check="greedy generate vs HF", equal=bool(torch.equal(got, want)),
+                         ok=bool(torch.equal(got, want))))
+        print(f"{family}: {rows[-2]['error']:.2e} relative logits error, greedy equal {rows[-1]['equal']}", flush=True)
+    return rows
+
+
 def step_equivalence(out, dry):
     import torch
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -229,8 +278,10 @@ def step_equivalence(out, dry):
             tail = f.read()[-2000:]
         result["pytest"] = dict(pytest_counts(junit) if os.path.exists(junit) else {}, exit_code=code,
                                 seconds=time.perf_counter() - start, tail=tail)
-    write_json(path, result)  # written now: the shape checks below may run out of time
+    write_json(path, result)  # written now: the checks below may run out of time
     device = "cpu" if dry else "cuda"
+    result["models"] = check_models(device, MODEL_FAMILIES[dry])
+    write_json(path, result)
     shapes = {"tiny": TINY_SHAPE} if dry else {k: v for k, v in aot.MODEL_SHAPES.items() if "dstate" in v}
     rows = []
     for name, shape in shapes.items():
@@ -239,7 +290,8 @@ def step_equivalence(out, dry):
         result["shapes"] = rows
         write_json(path, result)
         print(f"{name}: {sum(r['ok'] for r in rows)}/{len(rows)} within tolerance so far", flush=True)
-    result["ok"] = result["pytest"]["exit_code"] == 0 and bool(rows) and all(r["ok"] for r in rows)
+    result["ok"] = (result["pytest"]["exit_code"] == 0 and bool(rows) and all(r["ok"] for r in rows)
+                    and all(r["ok"] for r in result["models"]))
     write_json(path, result)
     return 0 if result["ok"] else 1
 
@@ -272,7 +324,9 @@ def headline(name, path):
         if name == "equivalence":
             p, shapes = data.get("pytest", {}), data.get("shapes", [])
             worst = max(shapes, key=lambda r: r["error"] / TOLERANCE[r["dtype"]], default=None)
-            text = (f"pytest {p.get('passed')} passed, {p.get('failed')} failed, {p.get('errors')} errors; real "
+            models = data.get("models", [])
+            text = (f"pytest {p.get('passed')} passed, {p.get('failed')} failed, {p.get('errors')} errors; models "
+                    f"{sum(r['ok'] for r in models)}/{len(models)} checks equal HF; real "
                     f"shapes {sum(r['ok'] for r in shapes)}/{len(shapes)} within tolerance")
             return text + (f" (worst {worst['kernel']} {worst['backend']} vs {worst['against']}, {worst['model']} "
                            f"T={worst['T']} {worst['dtype']}: {worst['error']:.1e})" if worst else "")
