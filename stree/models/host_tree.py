@@ -79,10 +79,17 @@ class HostTree:
         self.n = n + R
         return n, self.n
 
-    def levels(self, start):
-        """Nodes on the longest chain among nodes start .. n-1 (0 if there are none): the sequential steps a pass over
-        them needs when each node's state comes from its parent's."""
-        return int(self._mask[:, start:self.n, start:self.n].sum(-1).max(initial=0))
+    def levels(self, start, width):
+        """Positions 0 .. width-1 of a pass over nodes start .. start+width-1, grouped by level: a position's level is
+        one more than the deepest level among its ancestors in the pass on any row (0 without any; positions past
+        the tree are 0), so a walk of the levels in order meets every ancestor first. A list of int64 arrays."""
+        real = min(self.n - start, width)
+        within = self._mask[:, start:start + real, start:start + real].any(0)
+        level = np.zeros(width, dtype=np.int64)
+        for p in range(1, real):
+            ancestors = np.flatnonzero(within[p, :p])
+            level[p] = level[ancestors].max() + 1 if ancestors.size else 0
+        return [np.flatnonzero(level == s) for s in range(int(level.max(initial=0)) + 1)]
 
     def truncate(self, n):
         """Forget every node from n on (a failed pass)."""

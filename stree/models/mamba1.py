@@ -14,10 +14,10 @@ Kept states. A per-channel decay has no cheap masked closed form (T x T x dim x 
 16-32 nodes, benchmarks/selective_scan_methods.py), so every node's state is kept in a per-slot buffer: a pass
 computes only its new nodes from their parents' kept states (an extend, one new level, is a single batched update)
 and the commit copies the accepted node's state (no replay). The new nodes of one pass can form chains (the
-target's verify pass holds the whole tree): they are resolved by `levels` sweeps that each update every new node
-from its parent's current state, so after sweep s every node with at most s new ancestors is exact (the last
-sweep runs exactly HF's operations on exact parents). Memory: (capacity + 1) x dim x N states per layer, in the
-state's dtype (Jamba-1.5-Mini, dim 8192, N 16, fp32: 512 KB per node and layer).
+target's verify pass holds the whole tree): they are walked level by level (TreePass.levels, built on the host),
+each level's nodes at once from their parents' kept states, so a pass costs one update per new node plus a few
+operations per level. Memory: (capacity + 1) x dim x N states per layer in the state's dtype (HF keeps fp32;
+Jamba-1.5-Mini, dim 8192, N 16: 512 KB per node and layer).
 """
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ class Mamba1Layers(SlotLayers):
         h[j]  (batch, capacity + 1, dim, N)   every node's state; slot `capacity` holds the committed state
     """
 
-    SEQUENTIAL = True  # a pass runs tree_pass.levels sweeps
+    SEQUENTIAL = True  # a pass walks tree_pass.levels
 
     @staticmethod
     def matches(module):
@@ -87,24 +87,26 @@ class Mamba1Layers(SlotLayers):
         return m.out_proj(y.to(dtype))
 
     def _states(self, j, dt, B, x, tree_pass, ssm_state):
-        """The new nodes' states (batch, R, dim, N) in the compute dtype, also stored in h[j]."""
+        """Walk the new nodes level by level (tree_pass.levels): each level's nodes at once from their parents' kept
+        states. Stores them in h[j] and returns them (batch, R, dim, N)."""
         H, cd = self.h[j], self.cd
         batch, slots = H.shape[:2]
         committed = slots - 1
         H[:, committed] = ssm_state
-        dt = dt.to(cd)[..., None]
-        decay = torch.exp(dt * self.A[j])                                            # (batch, R, dim, N)
-        inject = (dt * B.to(cd)[:, :, None, :]) * x.to(cd)[..., None]
         rows = tree_pass.rows
         parents = tree_pass.index.parents.index_select(1, rows)
         offsets = torch.arange(batch, device=H.device)[:, None] * slots
-        parents = (torch.where(parents >= 0, parents, committed) + offsets).reshape(-1)
-        targets = (rows[None] + offsets).reshape(-1)
+        parents = torch.where(parents >= 0, parents, committed) + offsets                  # (batch, R) flat slots
+        targets = rows[None] + offsets
         flat = H.view(batch * slots, self.dim, self.N)
-        for _ in range(tree_pass.levels):
-            h = flat.index_select(0, parents).view(decay.shape).to(cd) * decay + inject
-            flat.index_copy_(0, targets, h.view(-1, self.dim, self.N).to(flat.dtype))
-        return h
+        dt, B, x = dt.to(cd), B.to(cd), x.to(cd)
+        for level in tree_pass.levels:                                                    # (W,) pass positions
+            dt_l = dt.index_select(1, level)[..., None]                                   # (batch, W, dim, 1)
+            h = flat.index_select(0, parents.index_select(1, level).reshape(-1)).view(batch, -1, self.dim, self.N)
+            h = h.to(cd) * torch.exp(dt_l * self.A[j]) + (dt_l * B.index_select(1, level)[:, :, None, :]) * \
+                x.index_select(1, level)[..., None]
+            flat.index_copy_(0, targets.index_select(1, level).reshape(-1), h.reshape(-1, self.dim, self.N).to(flat.dtype))
+        return flat.index_select(0, targets.reshape(-1)).view(batch, -1, self.dim, self.N)
 
     def commit(self, index, nodes):
         """Overwrite every layer's conv and SSM states, in place, with those after path(nodes[b]) of the tree whose

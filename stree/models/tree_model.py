@@ -15,6 +15,7 @@ The LM head runs only on the rows asked for. commit() writes the accepted node's
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -36,7 +37,7 @@ SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
 ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
 # Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers); a kind may
 # also provide check(module), raising ValueError at construction for a configuration it does not implement, and
-# SEQUENTIAL = True when its passes walk the new nodes' levels (TreePass.levels).
+# SEQUENTIAL = True when its passes walk the new nodes level by level (TreePass.levels).
 MIXER_KINDS = (Mamba2Layers, Mamba1Layers, GatedDeltaLayers, ShortConvLayers)
 # Families whose CausalLM forward rescales the LM head's output.
 LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
@@ -49,11 +50,12 @@ CAPACITY_STEP = 512
 
 @dataclass
 class TreePass:
-    """What a pass's tree mixers need: the TreeIndex over all node slots, the new nodes' ids rows (R,), and levels:
-    how many of them a longest chain holds (the sequential steps a recurrence kept per node needs; a host int)."""
+    """What a pass's tree mixers need: the TreeIndex over all node slots, the new nodes' ids rows (R,), and for
+    SEQUENTIAL kinds levels: positions into rows grouped by level, shallowest first (a tuple of (W,) tensors; see
+    TreeModel._level_positions), for a recurrence that computes each node from its parent's state."""
     index: object
     rows: torch.Tensor
-    levels: int = 1
+    levels: tuple = ()
 
 
 class TreeModel:
@@ -96,7 +98,7 @@ class TreeModel:
         self.tree = None       # HostTree of the uncommitted tree
         self._index = None     # its TreeIndex as of the last pass
         self._pass = None
-        self._levels = 1       # with fixed shapes: the most levels a pass has had (never fewer, see _grow)
+        self._level_widths = []  # with fixed shapes: the widest each level of a pass has been
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass (torch.compile may replace it)
 
@@ -221,9 +223,7 @@ class TreeModel:
             if width > R:
                 tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
             inputs = tree.pass_inputs(start, width, cache.length, device)
-            inputs["levels"] = tree.levels(start) if self._sequential else 1
-            if self.pass_width is not None:  # fixed shapes: the level count only grows, so compiled passes are kept
-                inputs["levels"] = self._levels = max(self._levels, inputs["levels"])
+            inputs["levels"] = self._level_positions(start, width) if self._sequential else ()
             head_rows = torch.arange(R) if logits_for is None else logits_for
             K = head_rows.shape[0]
             if self.pass_width is not None and K < width:  # fixed shapes: the LM head always takes `width` rows
@@ -241,6 +241,20 @@ class TreeModel:
             tree.truncate(start)
             raise
         return logits[:, :K]
+
+    def _level_positions(self, start, width):
+        """The pass's positions grouped by level (HostTree.levels) on the device, in one copy. With fixed shapes each
+        level is padded to the widest it has been, by repeating its own positions, and a pass has as many levels
+        as the deepest before it (extra levels repeat position 0): recomputing a node whose parent is final is
+        idempotent, so the shapes, and any compiled pass, stay the same."""
+        levels = self.tree.levels(start, width)
+        if self.pass_width is not None:
+            widths = self._level_widths
+            widths += [0] * (len(levels) - len(widths))
+            widths[:] = [max(w, len(levels[s]) if s < len(levels) else 0) for s, w in enumerate(widths)]
+            levels = [np.resize(levels[s] if s < len(levels) else levels[0][:1], w) for s, w in enumerate(widths)]
+        flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
+        return flat.split([len(level) for level in levels])
 
     def _run(self, tokens, inputs, head_rows):
         """The device part of a pass (no host sync, shapes fixed by the slots and pass width). Returns
