@@ -18,7 +18,7 @@ import stree
 from loops import gated_delta_loop, path_to, random_rows
 from stats import assert_matches, chi_square, chi_square_critical
 from stree.models import TreeModel, tiny_model
-from stree.models.gated_delta import delta_rule_rows, delta_rule_states
+from stree.models.gated_delta import PathSums, delta_rule_rows, delta_rule_states
 from stree.sampling import Sampler
 from stree.triton_kernels import TreeIndex, ancestor_mask
 from test_sampling import pit_counts
@@ -69,14 +69,16 @@ def test_gated_delta_tree_form_equals_the_loop(kind):
     beta = torch.rand(batch, T, Hv, generator=g, dtype=torch.float64) * 2  # OLMo-Hybrid's beta range [0, 2]
     state = torch.randn(batch, Hv, Dk, Dv, generator=g, dtype=torch.float64)
     want, states = gated_delta_loop(q, k, v, gates, beta, parents.tolist(), initial_state=state)
-    index = TreeIndex.prebuilt(parents, ancestor_mask(parents))
+    mask = ancestor_mask(parents)
+    index = TreeIndex.prebuilt(parents, mask)
     keys, decay, updates = torch.zeros(batch, T, Hk, Dk, dtype=torch.float64), \
         torch.zeros(batch, T, Hv, dtype=torch.float64), torch.zeros(batch, T, Hv, Dv, dtype=torch.float64)
     got = []
     for a, b in [(0, 1), (1, 5), (5, 6), (6, T)]:
         rows = torch.arange(a, b)
+        paths = PathSums(mask.index_select(1, rows), mask, torch.float64)
         got.append(delta_rule_rows(q[:, a:b] * Dk ** -0.5, k[:, a:b], v[:, a:b], gates[:, a:b], beta[:, a:b],
-                                   state, index, rows, keys, decay, updates))
+                                   state, paths, rows, keys, decay, updates))
     torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-10, atol=1e-10)
     for nodes in ([T - 1, 3], [0, -1], [-1, -1]):
         got = delta_rule_states(state[None], index, torch.tensor(nodes), keys[None], decay[None], updates[None])[0]

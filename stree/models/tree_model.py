@@ -13,7 +13,7 @@ The tree's structure (ancestors, conv windows, depths) is kept on the host (Host
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
 (one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ class TreePass:
     index: object
     rows: torch.Tensor
     levels: tuple = ()
+    shared: dict = field(default_factory=dict)  # what kinds derive from the tree once for every layer of the pass
 
 
 class TreeModel:
