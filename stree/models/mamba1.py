@@ -23,10 +23,34 @@ import torch
 import torch.nn.functional as F
 
 from .slots import SlotLayers, commit_conv, conv_rows
-from ..triton_kernels.utils import compute_dtype
+from ..triton_kernels.utils import as_dtype, compute_dtype
 
 MIXER_ATTRIBUTES = ("A_log", "D", "conv1d", "in_proj", "x_proj", "dt_proj", "out_proj", "time_step_rank",
                     "ssm_state_size", "intermediate_size", "layer_idx")
+
+
+def selective_walk(states, parents, rows, levels, dt, B, x, A):
+    """Mamba1's recurrence for a pass's new nodes, level by level, each from its parent's kept state.
+
+    states (batch, slots, dim, N): every node's kept state, the committed one in the last slot (roots' parent);
+    parents (batch, slots) the tree's; rows (R,) the new nodes; levels: positions into rows grouped by level
+    (TreePass.levels); dt (softplus applied), x (batch, R, dim) and B (batch, R, N) in the compute dtype; A (dim, N).
+    h = h_parent · exp(dt·A) + (dt·B)·x, HF's decode step. Writes the rows' states into `states` and returns them
+    (batch, R, dim, N) in its dtype.
+    """
+    batch, slots, dim, N = states.shape
+    offsets = torch.arange(batch, device=states.device)[:, None] * slots
+    up = parents.index_select(1, rows)
+    up = torch.where(up >= 0, up, slots - 1) + offsets                                    # (batch, R) flat slots
+    targets = rows[None] + offsets
+    flat = states.view(batch * slots, dim, N)
+    for level in levels:                                                                  # (W,) pass positions
+        dt_l = dt.index_select(1, level)[..., None]                                       # (batch, W, dim, 1)
+        h = flat.index_select(0, up.index_select(1, level).reshape(-1)).view(batch, -1, dim, N)
+        h = as_dtype(h, dt.dtype) * torch.exp(dt_l * A) + (dt_l * B.index_select(1, level)[:, :, None, :]) * \
+            x.index_select(1, level)[..., None]
+        flat.index_copy_(0, targets.index_select(1, level).reshape(-1), as_dtype(h, flat.dtype).reshape(-1, dim, N))
+    return flat.index_select(0, targets.reshape(-1)).view(batch, -1, dim, N)
 
 
 class Mamba1Layers(SlotLayers):
@@ -87,26 +111,11 @@ class Mamba1Layers(SlotLayers):
         return m.out_proj(y.to(dtype))
 
     def _states(self, j, dt, B, x, tree_pass, ssm_state):
-        """Walk the new nodes level by level (tree_pass.levels): each level's nodes at once from their parents' kept
-        states. Stores them in h[j] and returns them (batch, R, dim, N)."""
-        H, cd = self.h[j], self.cd
-        batch, slots = H.shape[:2]
-        committed = slots - 1
-        H[:, committed] = ssm_state
-        rows = tree_pass.rows
-        parents = tree_pass.index.parents.index_select(1, rows)
-        offsets = torch.arange(batch, device=H.device)[:, None] * slots
-        parents = torch.where(parents >= 0, parents, committed) + offsets                  # (batch, R) flat slots
-        targets = rows[None] + offsets
-        flat = H.view(batch * slots, self.dim, self.N)
-        dt, B, x = dt.to(cd), B.to(cd), x.to(cd)
-        for level in tree_pass.levels:                                                    # (W,) pass positions
-            dt_l = dt.index_select(1, level)[..., None]                                   # (batch, W, dim, 1)
-            h = flat.index_select(0, parents.index_select(1, level).reshape(-1)).view(batch, -1, self.dim, self.N)
-            h = h.to(cd) * torch.exp(dt_l * self.A[j]) + (dt_l * B.index_select(1, level)[:, :, None, :]) * \
-                x.index_select(1, level)[..., None]
-            flat.index_copy_(0, targets.index_select(1, level).reshape(-1), h.reshape(-1, self.dim, self.N).to(flat.dtype))
-        return flat.index_select(0, targets.reshape(-1)).view(batch, -1, self.dim, self.N)
+        """The new nodes' states (batch, R, dim, N), walked from their parents' kept states and stored in h[j]."""
+        H = self.h[j]
+        H[:, H.shape[1] - 1] = ssm_state
+        return selective_walk(H, tree_pass.index.parents, tree_pass.rows, tree_pass.levels, as_dtype(dt, self.cd),
+                              as_dtype(B, self.cd), as_dtype(x, self.cd), self.A[j])
 
     def commit(self, index, nodes):
         """Overwrite every layer's conv and SSM states, in place, with those after path(nodes[b]) of the tree whose
