@@ -44,6 +44,19 @@ PRESETS = {
                                     state_size=64, n_groups=1)),
     "mamba2-2.7b-4layers": ("mamba2", dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=4, num_heads=80,
                                            head_dim=64, state_size=128, n_groups=1)),
+    # Qwen3.5's layer shape (HF's default config: Gated DeltaNet 16 key / 32 value heads of 128, gated attention 16 /
+    # 4 heads of 256, partial rotary), three GDN layers and one attention layer, a smaller vocabulary.
+    "qwen3.5-like-4layers": ("qwen3_5", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    # Jamba-v0.1's layer shape (Mamba1: dim 8192, state 16, dt rank 256; attention 32 / 8 heads), three Mamba layers
+    # and one attention layer, no MoE layer among them (16 experts of 14336 would be 2.8B parameters a layer).
+    "jamba-like-4layers": ("jamba", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=8, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=8, expert_layer_offset=7,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256)),
 }
 TREES = {
     "chain-4": StaticTree((1, 1, 1, 1)),
