@@ -61,21 +61,26 @@ class HostTree:
             raise ValueError(f"parents must be -1 or an earlier node (topological order): new node {n + j} of row "
                              f"{b} has parent {int(parents[b, j])}")
         self.reserve(max(n + R, 2 * self.capacity) if n + R > self.capacity else 0)
-        rows = np.arange(self.batch)
-        for j in range(R):
-            i, p = n + j, parents[:, j]
+        # Nodes whose parents are all known are filled at once (a drafting level: one wave; a whole new tree: one
+        # wave per depth), each from its parent's row: its mask row plus itself, depth + 1, window shifted by one.
+        rows = np.arange(self.batch)[:, None]
+        done = n
+        while done < n + R:
+            wave = done + 1
+            while wave < n + R and (parents[:, wave - n] < done).all():
+                wave += 1
+            ids, p = np.arange(done, wave), parents[:, done - n:wave - n]                      # (W,), (batch, W)
             has = p >= 0
             pc = np.where(has, p, 0)
-            self._parents[:, i] = p
-            self._mask[:, i] = self._mask[rows, pc] & has[:, None]
-            self._mask[:, i, i] = True
-            self._depth[:, i] = np.where(has, self._depth[rows, pc] + 1, 0)
+            self._parents[:, ids] = p
+            self._mask[:, ids] = self._mask[rows, pc] & has[..., None]
+            self._mask[:, ids, ids] = True
+            self._depth[:, ids] = np.where(has, self._depth[rows, pc] + 1, 0)
             for (width, state_len), windows in self._windows.items():
-                # A node's window is its parent's shifted by one, then itself; a root's ends the conv state.
-                root = np.arange(state_len - width, state_len)  # the W newest state columns
-                shifted = np.where(has[:, None], windows[rows, pc], root[None, :])[:, 1:]
-                windows[:, i, :width - 1] = shifted
-                windows[:, i, width - 1] = state_len + i
+                root = np.arange(state_len - width, state_len)  # a root's window ends with the W newest state columns
+                windows[:, ids, :width - 1] = np.where(has[..., None], windows[rows, pc], root)[..., 1:]
+                windows[:, ids, width - 1] = state_len + ids
+            done = wave
         self.n = n + R
         return n, self.n
 
