@@ -1,19 +1,27 @@
 """Tree search on a verifiable task: generated arithmetic word problems (stree.search.arithmetic).
 
 A small hybrid policy (Bamba: two Mamba2 and two attention layers, character-level) is trained with stree.distill's
-Trainer on solution traces (once; saved under benchmarks/assets/arith-policy, rebuilt with --retrain). A program
+Trainer on solution traces (once per setting; saved under benchmarks/assets/, rebuilt with --retrain). A program
 checks every step and serves as the verifier. For each strategy at the same width: accuracy, mean peak retained-tree
 bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per state-holding node: every
-unfinished leaf, or only the expanded parents with replayed leaves), step tokens and wall time.
+unfinished leaf, or only the expanded parents with replayed leaves), step tokens and wall time. Strategies run
+interleaved, problem by problem, so that load changes on a shared machine hit them alike.
 Table on stdout, JSON and a PNG (accuracy against peak memory) in benchmarks/results/.
 
-    python benchmarks/search.py                       # 40 held-out two-operation problems, width 8
+Two settings (--setting):
+- easy: two-operation problems and a 1.6M policy trained on them (arith-policy): nearly every strategy solves
+  nearly everything;
+- hard: four-operation problems (longer solutions, so errors compound) and a 0.7M policy trained briefly on two to
+  five operations (arith-policy-hard): the strategies separate.
+
+    python benchmarks/search.py                       # easy: 40 held-out two-operation problems, width 8
+    python benchmarks/search.py --setting hard        # hard: 40 four-operation problems -> search-cpu-hard.json
     python benchmarks/search.py --problems 10 --width 4
     python benchmarks/search.py --width 16 --strategies "sync beam" "sync beam (CD)" "spec beam (EP)" \
         "spec beam (EP+CD)" --out benchmarks/results/search-cpu-w16.json
 
-The policy was trained on solutions whose step lines are shown worked (longer) half of the time, so its steps vary
-in length within a level, as reasoning steps do: the case speculative execution is for.
+The policies were trained on solutions whose step lines are shown worked (longer) half of the time, so their steps
+vary in length within a level, as reasoning steps do: the case speculative execution is for.
 
 Beam search on the batched step decoder (the "sync beam" and "spec beam" rows, stree.search.beam) keeps k = 2 and
 expands each survivor into width/2 children; throughput is problems/s and decoded row-tokens/s (step tok: tokens the
@@ -41,22 +49,36 @@ from stree.search import SearchConfig, tree_search  # noqa: E402
 from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-POLICY_DIR = os.path.join(HERE, "assets", "arith-policy")
 POLICY_CONFIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4, attn_layer_indices=[1, 3],
                      num_attention_heads=6, num_key_value_heads=2, mamba_n_heads=6, mamba_d_head=64,
                      mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
                      max_position_embeddings=1024, tie_word_embeddings=True)
+SETTINGS = {  # problems to solve and the policy (trained once, shipped under benchmarks/assets/, --retrain rebuilds)
+    # two operations; a 1.6M policy trained on two-operation solutions: most strategies solve nearly everything
+    "easy": dict(ops=2, policy="arith-policy", config=POLICY_CONFIG, train_ops=(2,), train_steps=2500, chunk=192),
+    # four operations (longer solutions: errors compound); a 0.7M policy trained briefly on 2-5 operations
+    "hard": dict(ops=4, policy="arith-policy-hard", train_ops=(2, 3, 4, 5), train_steps=1500, chunk=384,
+                 config=dict(POLICY_CONFIG, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                             mamba_n_heads=4)),
+}
 STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "best_of_n": dict(strategy="best_of_n"),
     "beam": dict(strategy="beam"),
     "dvts": dict(strategy="dvts"),
     "rebase": dict(strategy="rebase"),
-    "ets (lb=1, ld=1)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0),
+    "ets (lb=1, ld=1)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0),  # ETS as its authors wrote it: unit costs
     "ets (lb=2, ld=1)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0),
     "rebase (replay)": dict(strategy="rebase", leaf_states="replay"),
     "ets (lb=1, ld=1, replay)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0, leaf_states="replay"),
     "ets (lb=1.5, ld=1, replay)": dict(strategy="ets", lambda_b=1.5, lambda_d=1.0, leaf_states="replay"),
     "ets (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay"),
+    # stree's extensions: the node term in bytes (TreeMemory), softmax outcome weights
+    "ets bytes (lb=1.5, ld=1, replay)": dict(strategy="ets", lambda_b=1.5, lambda_d=1.0, leaf_states="replay",
+                                             ets_costs="bytes"),
+    "ets bytes (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay",
+                                           ets_costs="bytes"),
+    "ets softmax (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay",
+                                             ets_weights="softmax"),
 }
 BATCHED_BEAM = dict(strategy="beam", beam_width=2, batched=True)  # k = 2 kept, width/k children each
 STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.beam)
@@ -66,57 +88,92 @@ STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.
     "spec beam (EP)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, dedup=False),
     "spec beam (EP+CD)": dict(BATCHED_BEAM, speculative=True, early_pruning=True),
     "spec beam (EP+CD+LV)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, lazy_verification=True),
+    "spec beam (EP+CD+LV+SC)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, lazy_verification=True,
+                                    verify_sibling_completion=True),
 })
 
 
-def train_policy(tokenizer, steps, ops, worked, seed=0):
-    """Train the policy on 40000 generated problems and their solutions (problems seeded apart from the test set),
-    each step line shown worked (longer) with probability `worked`: the policy's steps then vary in length."""
+def train_policy(tokenizer, setting, steps, worked, seed=0, path=None):
+    """Train a setting's policy on 40000 generated problems and their solutions (problems seeded apart from the test
+    set; the setting's train_ops operation counts in turn), each step line shown worked (longer) with probability
+    `worked`: the policy's steps then vary in length. Saved in float16 to `path` (default: the setting's asset)."""
     stream, rng = [], random.Random(seed)
-    for problem in make_problems(40000, seed=1000 + seed, steps=ops):
-        solution = "".join(problem.solution(rng, worked=worked))
-        stream += tokenizer.encode(problem.text + solution) + [tokenizer.eos_token_id]
+    for k, ops in enumerate(setting["train_ops"]):
+        for problem in make_problems(40000 // len(setting["train_ops"]), seed=1000 + seed + k, steps=ops):
+            solution = "".join(problem.solution(rng, worked=worked))
+            stream += tokenizer.encode(problem.text + solution) + [tokenizer.eos_token_id]
+    stream = _shuffle_problems(stream, tokenizer.eos_token_id, rng) if len(setting["train_ops"]) > 1 else stream
     config = transformers.BambaConfig(vocab_size=len(tokenizer), eos_token_id=0, bos_token_id=0, pad_token_id=0,
-                                      **POLICY_CONFIG)
+                                      **setting["config"])
     policy = transformers.BambaForCausalLM(config)
     Trainer(policy, TrainConfig(output_dir=tempfile.mkdtemp(prefix="arith-policy-"), steps=steps,
                                 batch_size=16, lr=3e-3, warmup=50, losses={"cross_entropy": 1.0}, seed=seed),
-            TokenChunks(torch.tensor(stream), 192)).train()
-    policy.to(torch.float16).save_pretrained(POLICY_DIR, safe_serialization=True)
+            TokenChunks(torch.tensor(stream), setting["chunk"])).train()
+    policy.to(torch.float16).save_pretrained(path or os.path.join(HERE, "assets", setting["policy"]),
+                                             safe_serialization=True)
 
 
-def run(policy, tokenizer, problems, name, overrides, width, seed, temperature):
-    correct, peaks, tokens, elapsed, calls, passes = 0, [], 0, 0.0, 0, 0
+def _shuffle_problems(stream, eos, rng):
+    """The stream's problems (each ending in eos) in a random order, so every batch mixes operation counts."""
+    problems, start = [], 0
+    for i, token in enumerate(stream):
+        if token == eos:
+            problems.append(stream[start:i + 1])
+            start = i + 1
+    rng.shuffle(problems)
+    return [token for problem in problems for token in problem]
+
+
+def solve(policy, tokenizer, problem, index, overrides, width, seed, temperature):
+    """One search on one problem (problem `index` of the run, which seeds it): whether its answer is right, its stats
+    and its wall time."""
+    def verifier(prompt, steps):
+        texts = [tokenizer.decode(s) for s in steps]
+        return check_step(problem, texts[:-1], texts[-1])
+
+    # 48 characters: longer than any step line, worked ones included (at most 44 with values below 1000)
+    config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
+                          eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=48, seed=seed + index,
+                          temperature=temperature, **overrides)
+    start = time.perf_counter()
+    result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
+                         answer_fn=lambda t: extract_answer(tokenizer.decode(t)))
+    return result.answer == problem.results()[-1], result.stats, time.perf_counter() - start
+
+
+def run(policy, tokenizer, problems, names, width, seed, temperature):
+    """Every strategy in `names` on every problem, interleaved problem by problem so that load changes on a shared
+    machine hit all strategies alike; one row per strategy."""
+    runs = {name: [] for name in names}
     for i, problem in enumerate(problems):
-        def verifier(prompt, steps, problem=problem):
-            texts = [tokenizer.decode(s) for s in steps]
-            return check_step(problem, texts[:-1], texts[-1])
+        for name in names:
+            runs[name].append(solve(policy, tokenizer, problem, i, STRATEGY_RUNS[name], width, seed, temperature))
+    return [summary(name, runs[name]) for name in names]
 
-        # 48 characters: longer than any step line, worked ones included (at most 44 with values below 1000)
-        config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
-                              eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=48, seed=seed + i,
-                              temperature=temperature, **overrides)
-        start = time.perf_counter()
-        result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
-                             answer_fn=lambda t: extract_answer(tokenizer.decode(t)))
-        elapsed += time.perf_counter() - start
-        correct += result.answer == problem.results()[-1]
-        peaks.append(result.stats["peak_tree_bytes"])
-        tokens += result.stats["step_tokens"]
-        calls += result.stats["verifier_calls"]
-        passes += result.stats.get("forwards", result.stats["step_tokens"])  # the sequential loop: a pass per token
-    return dict(strategy=name, accuracy=correct / len(problems), peak_tree_kib=sum(peaks) / len(peaks) / 1024,
-                step_tokens=tokens / len(problems), seconds=elapsed / len(problems),
-                problems_per_s=len(problems) / elapsed, tokens_per_s=tokens / elapsed,
-                verifier_calls=calls / len(problems), forward_passes=passes / len(problems))
+
+def summary(name, runs):
+    """A strategy's row: accuracy, mean peak retained-tree bytes, and per-problem and per-second work."""
+    count, elapsed = len(runs), sum(seconds for *_, seconds in runs)
+
+    def mean(key):
+        return sum(stats[key] for _, stats, _ in runs) / count
+
+    tokens = mean("step_tokens")
+    passes = sum(stats.get("forwards", stats["step_tokens"]) for _, stats, _ in runs) / count  # sequential: per token
+    return dict(strategy=name, accuracy=sum(correct for correct, *_ in runs) / count,
+                peak_tree_kib=mean("peak_tree_bytes") / 1024, step_tokens=tokens, seconds=elapsed / count,
+                problems_per_s=count / elapsed, tokens_per_s=tokens * count / elapsed,
+                verifier_calls=mean("verifier_calls"), forward_passes=passes)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=list(SETTINGS), default="easy",
+                        help="easy: two-operation problems, the 1.6M policy; hard: four operations, the 0.7M policy")
     parser.add_argument("--problems", type=int, default=40)
     parser.add_argument("--width", type=int, default=8)
-    parser.add_argument("--ops", type=int, default=2, help="operations per problem")
-    parser.add_argument("--train-steps", type=int, default=2500)
+    parser.add_argument("--ops", type=int, help="operations per problem (default: the setting's)")
+    parser.add_argument("--train-steps", type=int, help="--retrain: optimiser steps (default: the setting's)")
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--worked", type=float, default=0.5,
                         help="--retrain: share of training step lines shown worked (longer)")
@@ -129,29 +186,33 @@ def main():
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    setting = SETTINGS[args.setting]
+    ops = args.ops or setting["ops"]
     tokenizer = CharTokenizer()
-    if args.retrain or not os.path.exists(os.path.join(POLICY_DIR, "model.safetensors")):
-        train_policy(tokenizer, args.train_steps, args.ops, args.worked, args.seed)
-    policy = transformers.AutoModelForCausalLM.from_pretrained(POLICY_DIR, dtype=torch.float32).eval()
-    problems = make_problems(args.problems, seed=args.seed, steps=args.ops)  # training problems use seeds 1000+
+    policy_dir = os.path.join(HERE, "assets", setting["policy"])
+    if args.retrain or not os.path.exists(os.path.join(policy_dir, "model.safetensors")):
+        train_policy(tokenizer, setting, args.train_steps or setting["train_steps"], args.worked, args.seed)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    problems = make_problems(args.problems, seed=args.seed, steps=ops)  # training problems use seeds 1000+
     print(f"device: cpu ({platform.processor() or 'cpu'}), torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}; policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params "
-          f"(bamba, {policy.config.num_hidden_layers} layers); {args.problems} problems, width {args.width}, "
-          f"temperature {args.temperature}")
-    run(policy, tokenizer, problems[:1], args.strategies[0], STRATEGY_RUNS[args.strategies[0]], args.width,
-        args.seed, args.temperature)  # warm-up (lazy initialisation), untimed
-    rows = [run(policy, tokenizer, problems, name, STRATEGY_RUNS[name], args.width, args.seed, args.temperature)
-            for name in args.strategies]
+          f"{torch.get_num_threads()}; {args.setting} setting: policy {setting['policy']} "
+          f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params (bamba, "
+          f"{policy.config.num_hidden_layers} layers); {args.problems} problems of {ops} operations, width "
+          f"{args.width}, temperature {args.temperature}")
+    run(policy, tokenizer, problems[:1], args.strategies[:1], args.width, args.seed, args.temperature)  # warm-up
+    rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
     print(f"{'strategy':>20} {'accuracy':>9} {'peak KiB':>9} {'step tok':>9} {'s/problem':>10} {'problems/s':>10} "
           f"{'tok/s':>8} {'verifier':>9} {'passes':>7}")
     for r in rows:
         print(f"{r['strategy']:>20} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
               f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
               f"{r['forward_passes']:>7.1f}")
-    out = args.out or os.path.join(HERE, "results", "search-cpu.json")
+    out = args.out or os.path.join(HERE, "results", "search-cpu.json" if args.setting == "easy" else
+                                   f"search-cpu-{args.setting}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(problems=args.problems, width=args.width, temperature=args.temperature, rows=rows), f, indent=1)
+        json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
+                       temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
     print(f"wrote {out}")
     try:
         import matplotlib
