@@ -257,12 +257,15 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
 
 def _tree_model(model, compile, nodes, pass_width):
     """A TreeModel of `model`: a new eager one, or with compile (True or torch.compile options) the compiled one
-    kept on the model for these shapes and options (so compilation is paid once per model and tree shape)."""
+    kept on the model for these shapes and options (so compilation is paid once per model and tree shape). On
+    CUDA every pass is padded to `pass_width` nodes (one CUDA graph per shape: extra rows cost a GPU almost
+    nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension."""
     if not compile:
         return TreeModel(model, nodes=nodes)
     options = {} if compile is True else dict(compile)
+    width = pass_width if model.device.type == "cuda" else None
     kept = model.__dict__.setdefault("_stree_compiled", {})
-    key = (nodes, pass_width, tuple(sorted(options.items())))
+    key = (nodes, width, tuple(sorted(options.items())))
     if key not in kept:
-        kept[key] = TreeModel(model, nodes=nodes, pass_width=pass_width).compile(**options)
+        kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(**options)
     return kept[key]

@@ -28,7 +28,7 @@ from .mamba2 import Mamba2Layers
 from .short_conv import ShortConvLayers
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2",  # Mamba2
-                "mamba", "falcon_mamba", "jamba",  # Mamba1 selective scan
+                "mamba", "falcon_mamba", "jamba", "zamba",  # Mamba1 selective scan
                 "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",  # GDN
                 "lfm2", "lfm2_moe")  # short convolutions
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -127,7 +127,8 @@ class TreeModel:
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
         logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1, **kwargs).logits
         capacity = max(max_length or 0, P + DEFAULT_RESERVE)
-        if self.pass_width is not None:  # fixed shapes: round the buffers up so that most prompts share them
+        if self.pass_width is not None or self.run is not self._run:  # compiled: round the buffers up so that
+            # most prompts share them (and the compilation)
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = StateCache.from_hf(hf_cache, P, capacity)
         if self.cache is not None and self.cache.load(cache):
@@ -148,9 +149,9 @@ class TreeModel:
     def compile(self, **options):
         """Compile the device part of every pass with torch.compile (inductor; on CUDA mode="reduce-overhead",
         i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from pass to pass, so the
-        TreeModel needs a pass_width and enough node slots; a shape change recompiles."""
-        if self.pass_width is None:
-            raise ValueError("compile() needs fixed pass shapes: build the TreeModel with pass_width=...")
+        TreeModel needs enough node slots and, for one graph per shape, a pass_width; without one the number of
+        new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more compilation when it
+        first changes). A buffer that grows recompiles."""
         if self.device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")
             self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
@@ -161,7 +162,8 @@ class TreeModel:
         # pass measured); decoding never replaces a module's attributes, so modules are not guarded.
         extra = dict(options.pop("options", {}))
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
-        self.run = torch.compile(self._run, dynamic=False, options=extra, **options)
+        options.setdefault("dynamic", False if self.pass_width is not None else None)
+        self.run = torch.compile(self._run, options=extra, **options)
         return self
 
     @torch.no_grad()
