@@ -98,7 +98,7 @@ def one_node_logits(tm, prompt, path):
     return logits
 
 
-@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba", "qwen3_5", "olmo_hybrid", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba", "zamba", "qwen3_5", "olmo_hybrid", "lfm2_moe"])
 def test_tree_pass_equals_one_node_passes_exactly(family):
     """Extending a random tree over three passes (the last one several levels deep) gives every node the logits of
     stree's own one-node decoding of its path, and after the commit of a deep node the states equal the one-node

@@ -45,6 +45,11 @@ TINY_CONFIGS = {
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
         num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)),
+    "zamba": ("ZambaConfig", "ZambaForCausalLM", dict(  # Mamba1 with per-head x_proj / dt_proj (2 heads)
+        vocab_size=64, hidden_size=32, attention_hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_attention_heads=4, num_key_value_heads=4,
+        attention_head_dim=16, n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        initializer_range=0.3)),
     # Gated DeltaNet (qwen3_5 / qwen3_5_moe: the text models AutoModelForCausalLM loads for those checkpoints)
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

@@ -99,7 +99,7 @@ class TreeModel:
         self.tree = None       # HostTree of the uncommitted tree
         self._index = None     # its TreeIndex as of the last pass
         self._pass = None
-        self._level_widths = []  # with fixed shapes: the widest each level of a pass has been
+        self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass (torch.compile may replace it)
 
@@ -246,16 +246,18 @@ class TreeModel:
         return logits[:, :K]
 
     def _level_positions(self, start, width):
-        """The pass's positions grouped by level (HostTree.levels) on the device, in one copy. With fixed shapes each
-        level is padded to the widest it has been, by repeating its own positions, and a pass has as many levels
-        as the deepest before it (extra levels repeat position 0): recomputing a node whose parent is final is
-        idempotent, so the shapes, and any compiled pass, stay the same."""
+        """The pass's positions grouped by level (HostTree.levels) on the device, in one copy. A compiled pass has as
+        many levels as the deepest before it (the walk is unrolled in its graph; extra levels repeat position 0),
+        and with fixed shapes each level is padded to the widest it has been by repeating its own positions:
+        recomputing a node whose parent is final is idempotent."""
         levels = self.tree.levels(start, width)
-        if self.pass_width is not None:
+        if self.run is not self._run or self.pass_width is not None:
             widths = self._level_widths
-            widths += [0] * (len(levels) - len(widths))
-            widths[:] = [max(w, len(levels[s]) if s < len(levels) else 0) for s, w in enumerate(widths)]
-            levels = [np.resize(levels[s] if s < len(levels) else levels[0][:1], w) for s, w in enumerate(widths)]
+            widths += [1] * (len(levels) - len(widths))
+            sizes = [len(levels[s]) if s < len(levels) else 1 for s in range(len(widths))]
+            if self.pass_width is not None:
+                widths[:] = sizes = [max(w, n) for w, n in zip(widths, sizes)]
+            levels = [np.resize(levels[s] if s < len(levels) else levels[0][:1], n) for s, n in enumerate(sizes)]
         flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
         return flat.split([len(level) for level in levels])
 
