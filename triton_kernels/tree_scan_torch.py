@@ -7,11 +7,6 @@ import torch
 from .utils import as_dtype, compute_dtype, gather_node_rows, tree_decay
 
 
-def _heads(t, nheads):
-    """(batch, T, ngroups, dstate) -> (batch, T, nheads, dstate), head h reading group h // (nheads // ngroups)."""
-    return t.repeat_interleave(nheads // t.shape[2], dim=2)
-
-
 def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
               dt_limit=(0.0, float("inf")), initial_states=None, rows=None):
     """See tree_scan.tree_scan (index: a utils.TreeIndex; rows: None, (R,) or (batch, R) int64). Returns y
@@ -69,9 +64,12 @@ def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
     s_node = s[rows, node]                                                         # (batch, nheads)
     log_w = (s_node[:, None, :] - s).masked_fill(~on_path[..., None], float("-inf"))
     weight = torch.exp(log_w) * dt                                                 # (batch, T, nheads)
-    states = torch.einsum("bkh,bkhp,bkhn->bhpn", weight, x.to(cd), _heads(B.to(cd), nheads))
+    # One GEMM per group: (heads_in_group * headdim, T) @ (T, dstate), nothing of size T x state materialised.
+    ngroups, dstate = B.shape[2:]
+    xw = (as_dtype(x, cd) * weight[..., None]).view(batch, T, ngroups, -1)          # (batch, T, G, heads*P)
+    states = torch.matmul(xw.permute(0, 2, 3, 1), as_dtype(B, cd).transpose(1, 2))   # (batch, G, heads*P, N)
+    states = states.view(batch, nheads, headdim, dstate)
     if initial_states is None:
         return states
     carry = torch.where(accepted[:, None], torch.exp(s_node), torch.ones_like(s_node))
-    return states + carry[..., None, None] * initial_states.to(cd)
-
+    return states.addcmul_(carry[..., None, None], as_dtype(initial_states, cd))
