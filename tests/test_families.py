@@ -1,9 +1,9 @@
-"""The mixer kinds beyond Mamba2 (Mamba1 selective scan, Gated DeltaNet, LFM2's short conv) through the same TreeModel /
-stree.generate / stree.enable API.
+"""The mixer kinds beyond Mamba2 (Mamba1 selective scan, Gated DeltaNet, Kimi's KDA, LFM2's short conv) through the same
+TreeModel / stree.generate / stree.enable API.
 
 test_tree_model.py and test_generate.py run every family of TINY_CONFIGS through the generic checks (one-pass logits
 and commits against HF's sequential decoding, extends, greedy output against HF with a noisy draft). Here: the Gated
-DeltaNet tree form against the naive per-node loop, tree passes against stree's own one-node passes to float64
+DeltaNet and KDA tree forms against naive per-node loops, tree passes against stree's own one-node passes to float64
 precision (HF's Mamba1 decode step and gated delta rule compute in fp32 even in float64 models, so comparisons with
 HF hold at fp32 tolerance only), long greedy outputs with an EOS inside an accepted path, drafts of other families,
 lossless sampling, the drop-in API, the VLM wrapper of Qwen3.5, bf16, fixed-shape compiled passes, and errors.
@@ -52,36 +52,62 @@ def prompts(lengths, seed=0):
     return [torch.randint(0, 64, (1, n), generator=g) for n in lengths]
 
 
-# ---- the Gated DeltaNet tree form against the naive loop ---------------------------------------------------------
+# ---- the delta-rule tree forms against the naive loops -----------------------------------------------------------
 
+def kda_loop(q, k, v, g, beta, parents, initial_state):
+    """Kimi Delta Attention over a tree, node by node in float64 (HF's recurrent_kimi_delta_attention per node):
+    g (batch, T, H, Dk) per-channel log decays; q, k already normalised, q scaled. Returns (o, states)."""
+    batch, T, H, Dk = k.shape
+    o = torch.zeros(batch, T, H, v.shape[-1], dtype=torch.float64)
+    states = torch.zeros(batch, T, H, Dk, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for i in range(T):
+            p = int(parents[b][i])
+            S = (initial_state[b] if p < 0 else states[b, p]) * g[b, i].exp()[..., None]
+            S = S + k[b, i][..., None] * (beta[b, i][:, None] * (v[b, i] - (S * k[b, i][..., None]).sum(-2)))[:, None]
+            states[b, i] = S
+            o[b, i] = (S * q[b, i][..., None]).sum(-2)
+    return o, states
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
 @pytest.mark.parametrize("kind", ["chain", "star", "random", "deep"])
-def test_gated_delta_tree_form_equals_the_loop(kind):
-    """delta_rule_rows over passes that extend the tree (a new pass's nodes may hang anywhere, also under each other)
-    gives every node's output of the per-node loop, and delta_rule_states the state after any node's path; two
-    trees in a batch, grouped value heads (Hv = 2 Hk), a committed state, float64."""
-    batch, T, Hk, Hv, Dk, Dv = 2, 11, 2, 4, 8, 6
-    g = torch.Generator().manual_seed(hash(kind) % 1000)
+def test_delta_rule_tree_forms_equal_the_loops(kind, rule):
+    """The Gated DeltaNet and KDA tree forms over passes that extend the tree (a new pass's nodes may hang anywhere,
+    also under each other) give every node's output of the per-node loop, and their commit forms the state after
+    any node's path; two trees in a batch, a committed state, float64 (GDN: grouped value heads, Hv = 2 Hk; beta in
+    OLMo-Hybrid's [0, 2])."""
+    from stree.models.kimi_delta import kda_rows, kda_states
+    batch, T, Hk, Dk, Dv = 2, 11, 2, 8, 6
+    Hv = 2 * Hk if rule == "gated_delta" else Hk
+    g = torch.Generator().manual_seed(hash((kind, rule)) % 1000)
     parents = torch.tensor(random_rows(kind, T, batch, seed=hash(kind) % 1000))
     q, k = (torch.randn(batch, T, Hk, Dk, generator=g, dtype=torch.float64) for _ in range(2))
     q, k = (t / t.norm(dim=-1, keepdim=True) for t in (q, k))
     v = torch.randn(batch, T, Hv, Dv, generator=g, dtype=torch.float64)
-    gates = -torch.rand(batch, T, Hv, generator=g, dtype=torch.float64) * 2
-    beta = torch.rand(batch, T, Hv, generator=g, dtype=torch.float64) * 2  # OLMo-Hybrid's beta range [0, 2]
+    gates = -torch.rand(batch, T, Hv, *((Dk,) if rule == "kda" else ()), generator=g, dtype=torch.float64) * 2
+    beta = torch.rand(batch, T, Hv, generator=g, dtype=torch.float64) * 2
     state = torch.randn(batch, Hv, Dk, Dv, generator=g, dtype=torch.float64)
-    want, states = gated_delta_loop(q, k, v, gates, beta, parents.tolist(), initial_state=state)
+    if rule == "gated_delta":
+        want, states = gated_delta_loop(q, k, v, gates, beta, parents.tolist(), initial_state=state)
+        rows_fn, states_fn = delta_rule_rows, delta_rule_states
+    else:
+        want, states = kda_loop(q * Dk ** -0.5, k, v, gates, beta, parents.tolist(), state)
+        rows_fn, states_fn = kda_rows, kda_states
     mask = ancestor_mask(parents)
     index = TreeIndex.prebuilt(parents, mask)
-    keys, decay, updates = torch.zeros(batch, T, Hk, Dk, dtype=torch.float64), \
-        torch.zeros(batch, T, Hv, dtype=torch.float64), torch.zeros(batch, T, Hv, Dv, dtype=torch.float64)
+    keys = torch.zeros(batch, T, Hk, Dk, dtype=torch.float64)
+    decay = torch.zeros(batch, *gates.shape[1:], dtype=torch.float64)
+    updates = torch.zeros(batch, T, Hv, Dv, dtype=torch.float64)
     got = []
     for a, b in [(0, 1), (1, 5), (5, 6), (6, T)]:
         rows = torch.arange(a, b)
         paths = PathSums(mask.index_select(1, rows), mask, torch.float64)
-        got.append(delta_rule_rows(q[:, a:b] * Dk ** -0.5, k[:, a:b], v[:, a:b], gates[:, a:b], beta[:, a:b],
-                                   state, paths, rows, keys, decay, updates))
+        got.append(rows_fn(q[:, a:b] * Dk ** -0.5, k[:, a:b], v[:, a:b], gates[:, a:b], beta[:, a:b], state, paths,
+                           rows, keys, decay, updates))
     torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=1e-10, atol=1e-10)
     for nodes in ([T - 1, 3], [0, -1], [-1, -1]):
-        got = delta_rule_states(state[None], index, torch.tensor(nodes), keys[None], decay[None], updates[None])[0]
+        got = states_fn(state[None], index, torch.tensor(nodes), keys[None], decay[None], updates[None])[0]
         for b, node in enumerate(nodes):
             torch.testing.assert_close(got[b], state[b] if node < 0 else states[b, node], rtol=1e-10, atol=1e-10)
 
@@ -98,7 +124,8 @@ def one_node_logits(tm, prompt, path):
     return logits
 
 
-@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba", "zamba", "qwen3_5", "olmo_hybrid", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba", "zamba", "qwen3_5", "olmo_hybrid", "kimi_linear",
+                                    "lfm2_moe"])
 def test_tree_pass_equals_one_node_passes_exactly(family):
     """Extending a random tree over three passes (the last one several levels deep) gives every node the logits of
     stree's own one-node decoding of its path, and after the commit of a deep node the states equal the one-node
@@ -235,13 +262,14 @@ def test_bfloat16_tree_pass_tracks_sequential_decode(family):
                                         tol=0.05)
 
 
-@pytest.mark.parametrize("family", ["mamba", "qwen3_5", "lfm2"])
-def test_fixed_shape_passes_trace_as_one_graph(family):
+@pytest.mark.parametrize("family, overrides", [("mamba", {}), ("qwen3_5", {}), ("lfm2", {}),
+                                               ("kimi_linear", dict(mlp_layer_types=["dense"] * 3))])
+def test_fixed_shape_passes_trace_as_one_graph(family, overrides):
     """With a pass width, every pass of these mixers traces as one graph (fullgraph: no host synchronisation, no
     data-dependent Python) and gives the eager passes' logits; a second tree of other shapes reuses it. (HF's eager
     MoE experts loop over the experts hit, so the MoE tiny configs are left out here.)"""
     import torch._dynamo
-    model = tiny_model(family, dtype=torch.float32)
+    model = tiny_model(family, dtype=torch.float32, **overrides)
     eager, compiled = TreeModel(model, nodes=16, pass_width=4), TreeModel(model, nodes=16, pass_width=4)
     torch._dynamo.reset()
     compiled.compile(backend="eager", fullgraph=True)

@@ -9,7 +9,8 @@ from stree.models import TINY_CONFIGS, TreeModel, tiny_model
 FAMILIES = sorted(TINY_CONFIGS)
 # HF's Mamba1 decode step and its gated delta rule compute in fp32 even in float64 models (stree computes in float64):
 # those families are compared with HF at fp32 tolerance; tree passes are compared with each other at 1e-7 throughout.
-FP32_IN_HF = {"mamba", "falcon_mamba", "jamba", "zamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"}
+FP32_IN_HF = {"mamba", "falcon_mamba", "jamba", "zamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
+              "kimi_linear"}
 
 
 def hf_tol(family):

@@ -72,6 +72,14 @@ TINY_CONFIGS = {
         num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, pad_token_id=0,
         eos_token_id=1, layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # Kimi Delta Attention (KDA: per-channel decay) with MLA attention
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "dense"])),
     # short convolutions
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

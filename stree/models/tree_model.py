@@ -4,7 +4,7 @@ on top of the committed sequence, grow that tree by new nodes, and keep one bran
 A pass calls the model's own base model (its embeddings, decoder layers, attention modules, MLPs and norms run
 unchanged) with three things swapped in:
   * its recurrent mixers, for the duration of the pass, by tree mixers (one adapter class per mixer kind,
-    MIXER_KINDS: Mamba2, Mamba1, Gated DeltaNet, short conv) that compute only the pass's new nodes and read
+    MIXER_KINDS: Mamba2, Mamba1, Gated DeltaNet, KDA, short conv) that compute only the pass's new nodes and read
     earlier nodes from preallocated buffers;
   * the cache, a StateCache whose attention buffers are preallocated: attention modules write the new nodes'
     K/V into tree slots after the committed positions and see a 4D mask (prefix + ancestors + itself);
@@ -23,6 +23,7 @@ from ..triton_kernels import TreeIndex
 from .cache import StateCache
 from .gated_delta import GatedDeltaLayers
 from .host_tree import HostTree
+from .kimi_delta import KimiDeltaLayers
 from .mamba1 import Mamba1Layers
 from .mamba2 import Mamba2Layers
 from .short_conv import ShortConvLayers
@@ -30,6 +31,7 @@ from .short_conv import ShortConvLayers
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2",  # Mamba2
                 "mamba", "falcon_mamba", "jamba", "zamba",  # Mamba1 selective scan
                 "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",  # GDN
+                "kimi_linear",  # KDA
                 "lfm2", "lfm2_moe")  # short convolutions
 TRANSFORMER_FAMILIES = ("llama", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = SSM_FAMILIES + TRANSFORMER_FAMILIES
@@ -38,7 +40,7 @@ ATTENTION_FREE = ("mamba2", "mamba", "falcon_mamba")
 # Mixer kinds, each one adapter class for every model whose mixers it matches (see mamba2.Mamba2Layers); a kind may
 # also provide check(module), raising ValueError at construction for a configuration it does not implement, and
 # SEQUENTIAL = True when its passes walk the new nodes level by level (TreePass.levels).
-MIXER_KINDS = (Mamba2Layers, Mamba1Layers, GatedDeltaLayers, ShortConvLayers)
+MIXER_KINDS = (Mamba2Layers, Mamba1Layers, GatedDeltaLayers, KimiDeltaLayers, ShortConvLayers)
 # Families whose CausalLM forward rescales the LM head's output.
 LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scaling,
                "falcon_h1": lambda model: model.model.lm_head_multiplier}
