@@ -83,10 +83,15 @@ def _check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens)
     for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft_model.config.vocab_size}) differs from the target's "
-                         f"({model.config.vocab_size}); they must share a tokenizer")
+    if draft_model is not None and _vocab(draft_model) != _vocab(model):
+        raise ValueError(f"the draft's vocabulary ({_vocab(draft_model)}) differs from the target's "
+                         f"({_vocab(model)}); they must share a tokenizer")
     return input_ids.long().to(model.device)
+
+
+def _vocab(model):
+    """The vocabulary size of a causal LM (multimodal wrappers keep it in their text config)."""
+    return model.config.get_text_config().vocab_size
 
 
 def eos_ids(eos_token_id):

@@ -234,8 +234,8 @@ def test_drop_in_generate(family):
 
 def test_qwen3_5_vision_language_wrapper():
     """model_type qwen3_5 is HF's image-text-to-text wrapper (what AutoModelForCausalLM gives is qwen3_5_text): text
-    decoding through it runs the same mixers; its tree passes equal HF's sequential decoding and stree's own
-    decoding equals HF's greedy search."""
+    decoding through it runs the same mixers; its tree passes equal HF's sequential decoding, and stree's own
+    decoding and tree decoding with a draft (a noisy copy) equal HF's greedy search."""
     from test_tree_model import decode_sequentially
     text = transformers.Qwen3_5TextConfig(**stree.models.TINY_CONFIGS["qwen3_5"][2]).to_dict()
     config = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
@@ -253,7 +253,13 @@ def test_qwen3_5_vision_language_wrapper():
     for i in range(5):
         want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
         torch.testing.assert_close(logits[i], want, rtol=FP32_TOL, atol=FP32_TOL)
-    assert torch.equal(stree.generate(model, prompt, draft_model=None, max_new_tokens=30), hf_greedy(model, prompt, 30))
+    want = hf_greedy(model, prompt, 30)
+    assert torch.equal(stree.generate(model, prompt, draft_model=None, max_new_tokens=30), want)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert torch.equal(stree.generate(model, prompt, draft_model=draft, max_new_tokens=30), want)
 
 
 @pytest.mark.parametrize("family", ONE_PER_KIND)
