@@ -14,12 +14,13 @@ import torch
 
 
 def _tree(text):
-    """--tree: "3,2,2,1" (static), "dynamic[:budget]" or "beam[:beams:steps]"."""
+    """--tree: "3,2,2,1" (static), "dynamic[:budget]" (sized by measured costs), "fixed[:budget]" (a dynamic tree
+    always grown to its depth) or "beam[:beams:steps]"."""
     from .draft import BeamTree, DynamicTree, StaticTree
     kind, _, rest = text.partition(":")
     numbers = [int(x) for x in rest.replace(":", ",").split(",") if x] if rest else []
-    if kind == "dynamic":
-        return DynamicTree(*numbers)
+    if kind in ("dynamic", "fixed"):
+        return DynamicTree(*numbers, adaptive=kind == "dynamic")
     if kind == "beam":
         return BeamTree(*numbers)
     try:
@@ -68,10 +69,11 @@ def cmd_bench(args):
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = _load_pair(args, dtype)
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
-    trees = {"chain (1, 1, 1, 1)": args.chain, f"tree {args.tree}": args.tree}
-    if isinstance(args.tree, DynamicTree) and not args.tree.adaptive:
-        adaptive = DynamicTree(args.tree.budget, args.tree.depth, args.tree.top_k, args.tree.frontier, adaptive=True)
-        trees[f"tree {adaptive}"] = adaptive
+    trees = {"chain (1, 1, 1, 1)": args.chain}
+    if isinstance(args.tree, DynamicTree) and args.tree.adaptive:  # the same tree always grown to its depth
+        trees["dynamic tree, fixed size"] = DynamicTree(args.tree.budget, args.tree.depth, args.tree.top_k,
+                                                        args.tree.frontier)
+    trees["dynamic tree (default)" if args.tree == DynamicTree(adaptive=True) else f"tree {args.tree}"] = args.tree
     targets = [("target", target)]
     if args.large:  # a realistic-size target computing the same function: bound by reading weights
         targets.append(("target inflated to 0.9B", inflate_bamba(target, hidden_size=2048, mamba_heads=64,
@@ -150,7 +152,8 @@ def build_parser():
         p.add_argument("--target", help="HF checkpoint folder (default: the bundled demo pair)")
         p.add_argument("--draft", help="HF checkpoint folder of the draft")
         p.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
-        p.add_argument("--tree", type=_tree, default=_tree("dynamic"), help="dynamic[:budget] (default) | 3,2,2,1 | beam:4:4")
+        p.add_argument("--tree", type=_tree, default=_tree("dynamic"),
+                       help="dynamic[:budget] (default; sized by measured costs) | fixed[:budget] | 3,2,2,1 | beam:4:4")
 
     gen = commands.add_parser("generate", help="speculative tree decoding of one prompt, streamed")
     pair_options(gen)

@@ -14,9 +14,9 @@ from .models import TreeModel
 from .sampling import Sampler, sample
 from .verify import verify_greedy, verify_sampling
 
-# Measured on the bundled pair (benchmarks/generate.py, README): on 2 CPU cores trees of 9-17 nodes are within noise
-# of each other; the larger one buys tau, and on a GPU a tree pass costs about one decode step.
-DEFAULT_TREE = DynamicTree()
+# Measured on the bundled pair (stree bench, benchmarks/generate.py, README): sizing each round from measured costs
+# beat every fixed tree on a CPU, where each node of a target pass costs; on a GPU the same rule keeps large trees.
+DEFAULT_TREE = DynamicTree(adaptive=True)
 
 
 @dataclass
@@ -120,9 +120,10 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             distribution after temperature, top_k and top_p (HF's order), verified losslessly.
         eos_token_id: int or list of ints that end generation (kept in the output); None = the target's
             generation_config.eos_token_id, as HF's generate does.
-        tree: stree.DynamicTree() by default (16 draft nodes); a static branching tuple (tree[d] children per node
-            at depth d; (1, 1, 1, 1) is vanilla speculative decoding), or stree.DynamicTree(...) /
-            stree.BeamTree(...) (beam trees: greedy only).
+        tree: stree.DynamicTree(adaptive=True) by default (at most 16 draft nodes over 6 levels, each round as
+            many as measured costs say pay; a seeded `generator` keeps sampled trees at their fixed shape); a static
+            branching tuple (tree[d] children per node at depth d; (1, 1, 1, 1) is vanilla speculative decoding), or
+            stree.DynamicTree(...) / stree.BeamTree(...) (beam trees: greedy only).
         return_stats: also return a GenerationStats.
         generator: torch.Generator (CPU) for the random draws when sampling; None = the global RNG.
         streamer: an HF streamer (e.g. TextStreamer): gets the prompt, then each round's new tokens, then end().
@@ -191,8 +192,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         stats.tree_sizes.append(1)
         stats.tokens_per_pass.append(1)
         done = emit([token])
-    costs = RoundCosts()  # what adaptive trees decide their size with: kept on the target across calls
-    if not done and getattr(spec, "adaptive", False):
+    costs = None  # what adaptive trees decide their size with: kept on the target across calls
+    # Timing-driven sizes would make seeded samples irreproducible: with a generator, sampled trees stay fixed.
+    if not done and getattr(spec, "adaptive", False) and (sampler.greedy or generator is None):
         kept = model.__dict__.setdefault("_stree_costs", {})
         key = (id(draft_model), spec, bool(compile), str(model.dtype))
         if key not in kept:
@@ -231,8 +233,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             draft.commit([max(path)])
             trunk = [tokens[n] for n, index in zip(accepted, path) if index < 0] + [bonus]
         draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
-        costs.update(draft_s, drafted.passes, verify_s, len(tokens), time.perf_counter() - round_start - draft_s
-                     - verify_s, len(accepted) - 1, drafted.expected)
+        if costs is not None:
+            costs.update(draft_s, drafted.passes, verify_s, len(tokens), time.perf_counter() - round_start - draft_s
+                         - verify_s, len(accepted) - 1, drafted.expected)
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(generated)

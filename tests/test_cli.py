@@ -34,7 +34,8 @@ def pair_args(root):
 
 def test_tree_option():
     assert _tree("3,2,2,1") == StaticTree((3, 2, 2, 1))
-    assert _tree("dynamic:10") == DynamicTree(budget=10)
+    assert _tree("dynamic:10") == DynamicTree(budget=10, adaptive=True)
+    assert _tree("fixed:10") == DynamicTree(budget=10)
     assert _tree("beam:2:3") == BeamTree(beams=2, steps=3)
     with pytest.raises(Exception):
         _tree("three")
@@ -58,7 +59,8 @@ def test_bench_table(pair_dir, capsys, tmp_path):
     tables = json.load(open(tmp_path / "b.json"))
     assert [t["temperature"] for t in tables] == [0.0, 1.0]
     methods = [r["method"] for r in tables[0]["rows"]]
-    assert methods[:3] == ["HF generate", "stree autoregressive", "chain (1, 1, 1, 1)"] and len(methods) == 5
+    assert methods == ["HF generate", "stree autoregressive", "chain (1, 1, 1, 1)", "dynamic tree, fixed size",
+                       "dynamic tree (default)"]
     assert all(r["agreement"]["all_equal"] for r in tables[0]["rows"])  # float32 greedy: HF's output exactly
     assert all(r["speedup_vs_hf"][0] > 0 and r["tau"] >= 1 for t in tables for r in t["rows"])
 
