@@ -44,7 +44,8 @@ def test_greedy_equals_hf_generate(family):
     per_pass = []
     for prompt in prompts([1, 6, 17]):
         want = hf_greedy(target, prompt, 120)
-        got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=120, return_stats=True)
+        got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=120, return_stats=True,
+                                    tree=stree.DynamicTree())  # fixed size: the adaptive default may stay shallow
         assert torch.equal(got, want)
         assert stats.new_tokens == 120 and sum(stats.tokens_per_pass) == 119  # the first token is the prefill's
         per_pass += stats.tokens_per_pass
@@ -220,12 +221,15 @@ def test_fixed_shape_compiled_passes_equal_hf():
     torch._dynamo.reset()
     options = {"backend": "aot_eager"}
     counts = torch._dynamo.utils.counters
+    counts.clear()  # reset() leaves the counters of earlier tests
     for prompt in prompts([5, 9], seed=3):
         out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options)
         assert torch.equal(out, hf_greedy(target, prompt, 24))
         if prompt.shape[1] == 5:
             frames = counts["stats"]["unique_graphs"]
-    assert 2 <= frames <= 4  # target and draft; on a CPU the node count turns dynamic once it first changes
+    # Per model (target, draft): a graph at its first node count, one with the count dynamic once it changes, and
+    # dynamo's own specialisation of a 1-row pass (the adaptive tree's calibration times 1-node passes).
+    assert 2 <= frames <= 6
     assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
     sampled = stree.generate(target, prompts([4])[0], draft_model=draft, max_new_tokens=16, temperature=1.0,
                              compile=options, generator=torch.Generator().manual_seed(0))
