@@ -23,10 +23,14 @@ Two settings (--setting):
 The policies were trained on solutions whose step lines are shown worked (longer) half of the time, so their steps
 vary in length within a level, as reasoning steps do: the case speculative execution is for.
 
-Beam search on the batched step decoder (the "sync beam" and "spec beam" rows, stree.search.beam) keeps k = 2 and
-expands each survivor into width/2 children; throughput is problems/s and decoded row-tokens/s (step tok: tokens the
-decoder fed, i.e. after dedup), verifier = requests scored per problem, passes = model forward passes per problem
-(batched: one per decode step; the sequential loop: one per step token).
+Every strategy generates its steps on batched rows (stree.search.batched.StepDecoder: one forward pass per token
+for all live trajectories' branches of a problem). The "sync beam" and "spec beam" rows are strategy "spec_beam"
+(stree.search.beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or speculative); the
+"beam" row is the level-synchronous beam of the other strategies (k = sqrt(width)). Throughput is problems/s and
+decoded row-tokens/s (step tok: tokens the decoder drew and fed, after dedup; replayed leaves' tokens not included),
+verifier = requests scored per problem, passes = batched forward passes per problem. Memory: peak tree KiB is
+TreeMemory's model (what a prefix-sharing tree keeps), peak held KiB what the row engine really kept (the padded
+batch, every row with its own copy of its prefix, plus every live snapshot).
 """
 import argparse
 import json
@@ -45,7 +49,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from stree.distill import TokenChunks, TrainConfig, Trainer  # noqa: E402
-from stree.search import SearchConfig, tree_search  # noqa: E402
+from stree.search import BeamOptions, SearchConfig, tree_search  # noqa: E402
 from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,16 +84,23 @@ STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "ets softmax (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay",
                                              ets_weights="softmax"),
 }
-BATCHED_BEAM = dict(strategy="beam", beam_width=2, batched=True)  # k = 2 kept, width/k children each
-STRATEGY_RUNS.update({  # beam search on the batched step decoder (stree.search.beam)
-    "sync beam": dict(BATCHED_BEAM, dedup=False),
-    "sync beam (CD)": dict(BATCHED_BEAM),
-    "spec beam (naive)": dict(BATCHED_BEAM, speculative=True, dedup=False),
-    "spec beam (EP)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, dedup=False),
-    "spec beam (EP+CD)": dict(BATCHED_BEAM, speculative=True, early_pruning=True),
-    "spec beam (EP+CD+LV)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, lazy_verification=True),
-    "spec beam (EP+CD+LV+SC)": dict(BATCHED_BEAM, speculative=True, early_pruning=True, lazy_verification=True,
-                                    verify_sibling_completion=True),
+SPEC_BEAM = dict(strategy="spec_beam", beam_width=2)  # k = 2 kept, width/k children each
+
+
+def spec_beam(dedup=True, **options):
+    return dict(SPEC_BEAM, dedup=dedup, spec_beam=BeamOptions(**options))
+
+
+STRATEGY_RUNS.update({  # strategy "spec_beam" (stree.search.beam); CD = dedup, EP = early pruning, LV = lazy
+    # verification, SC = its sibling-completion flush
+    "sync beam": spec_beam(dedup=False),
+    "sync beam (CD)": spec_beam(),
+    "spec beam (naive)": spec_beam(dedup=False, speculative=True),
+    "spec beam (EP)": spec_beam(dedup=False, speculative=True, early_pruning=True),
+    "spec beam (EP+CD)": spec_beam(speculative=True, early_pruning=True),
+    "spec beam (EP+CD+LV)": spec_beam(speculative=True, early_pruning=True, lazy_verification=True),
+    "spec beam (EP+CD+LV+SC)": spec_beam(speculative=True, early_pruning=True, lazy_verification=True,
+                                         verify_sibling_completion=True),
 })
 
 
@@ -159,11 +170,11 @@ def summary(name, runs):
         return sum(stats[key] for _, stats, _ in runs) / count
 
     tokens = mean("step_tokens")
-    passes = sum(stats.get("forwards", stats["step_tokens"]) for _, stats, _ in runs) / count  # sequential: per token
     return dict(strategy=name, accuracy=sum(correct for correct, *_ in runs) / count,
-                peak_tree_kib=mean("peak_tree_bytes") / 1024, step_tokens=tokens, seconds=elapsed / count,
+                peak_tree_kib=mean("peak_tree_bytes") / 1024, peak_held_kib=mean("peak_held_bytes") / 1024,
+                step_tokens=tokens, replay_tokens=mean("replay_tokens"), seconds=elapsed / count,
                 problems_per_s=count / elapsed, tokens_per_s=tokens * count / elapsed,
-                verifier_calls=mean("verifier_calls"), forward_passes=passes)
+                verifier_calls=mean("verifier_calls"), forward_passes=mean("forwards"))
 
 
 def main():
@@ -201,10 +212,11 @@ def main():
           f"{args.width}, temperature {args.temperature}")
     run(policy, tokenizer, problems[:1], args.strategies[:1], args.width, args.seed, args.temperature)  # warm-up
     rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
-    print(f"{'strategy':>20} {'accuracy':>9} {'peak KiB':>9} {'step tok':>9} {'s/problem':>10} {'problems/s':>10} "
-          f"{'tok/s':>8} {'verifier':>9} {'passes':>7}")
+    print(f"{'strategy':>32} {'accuracy':>9} {'tree KiB':>9} {'held KiB':>9} {'step tok':>9} {'s/problem':>10} "
+          f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7}")
     for r in rows:
-        print(f"{r['strategy']:>20} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['step_tokens']:>9.1f} "
+        print(f"{r['strategy']:>32} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['peak_held_kib']:>9.1f} "
+              f"{r['step_tokens']:>9.1f} "
               f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
               f"{r['forward_passes']:>7.1f}")
     out = args.out or os.path.join(HERE, "results", "search-cpu.json" if args.setting == "easy" else

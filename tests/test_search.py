@@ -3,7 +3,7 @@ import torch
 
 from loops import plain_vote
 from stree.models import tiny_model
-from stree.search import STRATEGIES, SearchConfig, tree_search
+from stree.search import ALLOCATIONS, SearchConfig, tree_search
 
 
 def even_share(prompt, steps):
@@ -26,7 +26,7 @@ def policy_model():
     return tiny_model("bamba", dtype=torch.float64, vocab_size=16, seed=3)
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(ALLOCATIONS))
 def test_every_strategy_runs_end_to_end(policy_model, strategy):
     calls = []
 
@@ -92,7 +92,7 @@ def test_replayed_leaf_states_change_memory_not_results(policy_model, strategy):
     for result, leaf_states in ((keep, "keep"), (replay, "replay")):
         last = [t for t in result.trajectories if len(t.steps) == result.stats["steps"]]
         allowed = {t.node for t in last if not t.finished} if leaf_states == "keep" else {t.parent.node for t in last}
-        held = {a.node for t in result.trajectories for a in t.lineage() if a.state.cache is not None}
+        held = {a.node for t in result.trajectories for a in t.lineage() if a.state.held}
         assert held <= allowed, leaf_states
     with pytest.raises(ValueError, match="leaf_states"):
         SearchConfig(leaf_states="drop")
@@ -103,7 +103,7 @@ def test_ets_keeps_or_prunes_the_copies_of_a_node_together(policy_model):
     shares a kept node's count evenly among its copies."""
     from stree.search.loop import SearchContext, Trajectory, TreeMemory, ets
     from stree.search.policy import Policy
-    state = Policy(policy_model).prefill([1, 2, 3])
+    _, state = Policy(policy_model).prefill([1, 2, 3])
     root = Trajectory(0, None, [], [], state)
     leaves = [Trajectory(1, root, [[5]], [0.5], state) for _ in range(3)]
     leaves += [Trajectory(2, root, [[6]], [0.55], state), Trajectory(3, root, [[7]], [0.1], state)]
@@ -125,7 +125,7 @@ def test_tree_memory_counts_kv_per_token_and_one_ssm_snapshot_per_leaf(policy_mo
     from stree.search.loop import Trajectory, TreeMemory
     from stree.search.policy import Policy
     config = policy_model.config
-    root_state = Policy(policy_model).prefill([1, 2, 3, 4])
+    _, root_state = Policy(policy_model).prefill([1, 2, 3, 4])
     memory = TreeMemory(root_state)
     head_dim = config.hidden_size // config.num_attention_heads
     attention_layers = len(config.attn_layer_indices)

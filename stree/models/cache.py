@@ -13,6 +13,8 @@ the sequence length. Forking rows for search and counting bytes live here too.
 """
 import torch
 
+from .rows import layer_states
+
 
 class StateGroup:
     """Equally shaped recurrent layers stacked along dim 1: conv (batch, n * channels, K), recurrent (batch,
@@ -60,16 +62,11 @@ class StateCache:
         """Take the states of an HF DynamicCache after a prefill of `length` tokens; attention buffers get
         `capacity` >= length positions."""
         recurrent_layers, keys, values = {}, {}, {}
-        for i, layer in enumerate(hf_cache.layers):
-            conv = getattr(layer, "conv_states", {}) or {}
-            if conv.get(0) is not None:
-                rec = (getattr(layer, "recurrent_states", {}) or {}).get(0)
-                recurrent_layers[i] = (conv[0], rec)
-            k = getattr(layer, "keys", None)
-            if isinstance(k, torch.Tensor) and k.numel():
-                if getattr(layer, "is_sliding", False):
-                    raise ValueError("sliding-window attention caches are not supported")
-                keys[i], values[i] = _buffer(k, capacity), _buffer(layer.values, capacity)
+        for i, states in layer_states(hf_cache).items():
+            if states.get("conv_states") is not None:
+                recurrent_layers[i] = (states["conv_states"], states.get("recurrent_states"))
+            if "keys" in states:
+                keys[i], values[i] = _buffer(states["keys"], capacity), _buffer(states["values"], capacity)
         by_shape = {}
         for i, (conv, rec) in recurrent_layers.items():
             key = (conv.shape[0], conv.shape[2:], conv.dtype, None if rec is None else (rec.shape[2:], rec.dtype))

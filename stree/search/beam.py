@@ -1,13 +1,14 @@
-"""Beam search on the batched step decoder, synchronous or speculative (SpecScale).
+"""Beam search on its own schedule (strategy "spec_beam"), synchronous or speculative (SpecScale).
 
 Beam semantics (both modes): level d holds the candidates at depth d (d steps). A level's top-k (by aggregated
 score, ties broken by the candidate's key) survive; surviving trajectories that ended (EOS) or reached max_steps
 are completed, the others are expanded into width/k children each; level 1 is `width` children of the prompt. The
 search ends when a level has no live survivor. The answer is the weighted majority over the completed ones.
 
-Every candidate has a key, its sibling indices from the root, and its own random generator seeded from that key:
-what a candidate draws depends on who it is, not on when it is decoded. So the switches below change the schedule
-and the work, never the candidates (up to float rounding of batched logits), and runs can be compared exactly.
+Steps are decoded by stree.search.batched.StepDecoder, where every candidate has a key, its sibling indices from
+the root, and its own random generator seeded from that key: what a candidate draws depends on who it is, not on
+when it is decoded. So the switches below (BeamOptions, and SearchConfig.dedup) change the schedule and the work,
+never the candidates (up to float rounding of batched logits), and runs can be compared exactly.
 
 - synchronous (speculative=False): a level's candidates are decoded together; when all have finished their step
   they are verified in one batch and the level's top-k are expanded. Decode batches shrink as rows finish.
@@ -18,8 +19,8 @@ and the work, never the candidates (up to float rounding of batched logits), and
   sure to be in the level whenever it is (their ancestors off its own path are survivors of closed levels), so it
   never drops one of the final top-k. And once k such candidates have the maximum score (1.0), the level's
   unverified candidates are dropped (ties at the maximum go to those verified first).
-- dedup: siblings from one state share one row (one forward per token) until their draws differ; off, every
-  sibling gets its own row.
+- dedup (SearchConfig.dedup): siblings from one state share one row (one forward per token) until their draws
+  differ; off, every sibling gets its own row.
 - lazy_verification: requests wait in a VerificationQueue for verify_token_budget tokens or verify_max_deferrals
   decode steps (or until decoding idles); off, each decode step's finished candidates are verified at once.
 - verify_sibling_completion (with lazy_verification): the queue also flushes once every sibling of a waiting request
@@ -28,28 +29,37 @@ and the work, never the candidates (up to float rounding of batched logits), and
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .answers import aggregate_step_scores
-from .batched import RowBatch
+from .batched import Candidate, Request, StepDecoder, candidate_generator
 from .lazy import VerificationQueue
 from .tree import Trajectory, TreeMemory, search_result
 
 MAX_SCORE = 1.0
 
 
-def candidate_generator(seed, key):
-    """The random generator of the candidate with sibling indices `key` (a tuple, root first) in a search seeded
-    `seed`: every token of its step is drawn from it."""
-    return torch.Generator().manual_seed(hash((seed,) + tuple(key)) & (2 ** 63 - 1))
+@dataclass(frozen=True)
+class BeamOptions:
+    """The switches of strategy "spec_beam" (SearchConfig(strategy="spec_beam", spec_beam=BeamOptions(...)));
+    see the module docstring. The default is synchronous beam search."""
+    speculative: bool = False         # expand a verified candidate without waiting for its level (SpecScale)
+    early_pruning: bool = False       # speculative: drop candidates that can no longer reach their level's top-k
+    lazy_verification: bool = False   # speculative: queue verifier requests and score them in batches
+    verify_token_budget: int = 2048   # lazy verification: score once this many tokens wait...
+    verify_max_deferrals: int = 6     # ...or once a request has waited this many decode steps
+    verify_sibling_completion: bool = False  # lazy verification: ...or once all siblings of a request finished
 
-
-@dataclass(eq=False)
-class Row:
-    """Candidates of one parent being decoded in one batch row: they drew the same tokens so far."""
-    parent: Trajectory
-    tokens: list                                     # the step so far
-    siblings: list                                   # [(key, generator)], one per candidate
+    def __post_init__(self):
+        if not self.speculative:
+            for name in ("early_pruning", "lazy_verification"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
+                                     "and verifies whole levels at once")
+        if self.verify_sibling_completion and not self.lazy_verification:
+            raise ValueError("verify_sibling_completion=True is a lazy verification rule: it needs "
+                             "lazy_verification=True")
+        if self.verify_token_budget < 1 or self.verify_max_deferrals < 0:
+            raise ValueError(f"verify_token_budget must be >= 1 and verify_max_deferrals >= 0, got "
+                             f"{self.verify_token_budget} and {self.verify_max_deferrals}")
 
 
 @dataclass
@@ -59,31 +69,35 @@ class Level:
 
 
 class BeamRun:
-    """One batched beam search; see the module docstring."""
+    """One spec_beam search; see the module docstring."""
 
     def __init__(self, policy, prompt, verifier, config):
-        self.policy, self.config = policy, config
+        self.policy, self.config, self.options = policy, config, config.spec_beam
         self.children_per_survivor = config.width // config.kept
-        state = policy.prefill(prompt)
+        batch, state = policy.prefill(prompt)
         self.memory = TreeMemory(state)
-        self.batch = RowBatch(policy.model, state)
-        self.root = Trajectory(0, None, [], [], RowBatch.snapshot(state))
-        self.rows = []                               # Row per batch row
-        if not config.speculative:
+        self.decoder = StepDecoder(policy, batch, dedup=config.dedup)
+        self.root = Trajectory(0, None, [], [], state)
+        options = self.options
+        if not options.speculative:
             self.queue = VerificationQueue(verifier, prompt, flush_tokens=None, max_deferrals=None)
-        elif config.lazy_verification:
-            self.queue = VerificationQueue(verifier, prompt, flush_tokens=config.verify_token_budget,
-                                           max_deferrals=config.verify_max_deferrals,
-                                           sibling_completion=config.verify_sibling_completion)
+        elif options.lazy_verification:
+            self.queue = VerificationQueue(verifier, prompt, flush_tokens=options.verify_token_budget,
+                                           max_deferrals=options.verify_max_deferrals,
+                                           sibling_completion=options.verify_sibling_completion)
         else:
             self.queue = VerificationQueue(verifier, prompt, max_deferrals=0)
         self.levels = {0: Level([self.root], closed=True)}
-        self.key = {self.root: ()}
         self.score = {}
         self.survivors, self.pruned, self.expanded, self.completed = {self.root}, set(), set(), []
         self.next_node = 1
-        self.stats = dict(step_tokens=0, forwards=0, verifier_calls=0, verifier_batches=0, steps=0, pruned=0,
-                          peak_tree_bytes=self.memory.tree_bytes([self.root]), peak_batch_bytes=0)
+        self.stats = dict(verifier_calls=0, verifier_batches=0, steps=0, pruned=0,
+                          peak_tree_bytes=self.memory.tree_bytes([self.root]))
+
+    @property
+    def rows(self):
+        """The branches being decoded (one per batch row)."""
+        return self.decoder.branches
 
     def run(self):
         self._expand([self.root])
@@ -94,62 +108,36 @@ class BeamRun:
                 for (row, state), score in self.queue.flush():
                     self._accept(row, state, score)
                 self._settle()
-        self.stats.update(verifier_calls=self.queue.calls, verifier_batches=self.queue.batches)
+        self.stats.update(self.decoder.stats, verifier_calls=self.queue.calls, verifier_batches=self.queue.batches)
         return self.completed
 
     # decoding
 
     def _expand(self, trajectories):
-        """Rows for the children of `trajectories`; with dedup, the children of one trajectory share a row."""
-        states, rows = [], []
+        """Rows for the children of `trajectories` (the j-th child of t has key t.key + (j,)); a trajectory's
+        children start in one row (split as their draws differ, every one at once without dedup)."""
+        requests = []
         for t in trajectories:
             self.expanded.add(t)
             count = self.config.width if t is self.root else self.children_per_survivor
-            siblings = [self._sibling(self.key[t] + (i,)) for i in range(count)]
-            groups = [siblings] if self.config.dedup else [[s] for s in siblings]
-            states += [t.state] * len(groups)
-            rows += [Row(t, [], g) for g in groups]
-        self.batch.add(states)
-        self.rows += rows
+            keys = [t.key + (i,) for i in range(count)]
+            requests.append(Request(t.state, [Candidate(k, candidate_generator(self.config.seed, k), t)
+                                              for k in keys]))
+        self.decoder.start(requests)
         for t in trajectories:  # the batch holds copies now
             t.state = None
 
-    def _sibling(self, key):
-        return key, candidate_generator(self.config.seed, key)
-
     def _decode(self):
-        """Each candidate draws its next token; rows split where their candidates' draws differ; one forward pass;
-        rows whose step ended leave the batch for the verification queue."""
+        """One forward pass; rows whose step ended leave the batch for the verification queue."""
         self.queue.defer()
-        probs = self.policy.sampler.probs(self.batch.logits, 0).cpu()
-        index, feed, rows = [], [], []
-        for i, row in enumerate(self.rows):
-            draws = {}
-            for sibling in row.siblings:
-                draws.setdefault(int(torch.multinomial(probs[i], 1, generator=sibling[1])), []).append(sibling)
-            for token, siblings in draws.items():
-                index.append(i)
-                feed.append(token)
-                rows.append(Row(row.parent, row.tokens + [token], siblings))
-        self.batch.select(torch.tensor(index))
-        self.batch.advance(feed)
-        self.stats["forwards"] += 1
-        self.stats["step_tokens"] += len(feed)
-        self.stats["peak_batch_bytes"] = max(self.stats["peak_batch_bytes"], self.batch.nbytes())
-        keep = []
-        for i, row in enumerate(rows):
-            if self.policy.ends_step(row.tokens[-1], len(row.tokens)):
-                self.queue.submit((row, self.batch.row(i)), row.parent.steps + [row.tokens], family=row.parent)
-            else:
-                keep.append(i)
-        self.batch.select(torch.tensor(keep, dtype=torch.long))
-        self.rows = [rows[i] for i in keep]
-        self._measure(rows)
+        for row, state in self.decoder.step():
+            self.queue.submit((row, state), row.parent.steps + [row.tokens], family=row.parent)
+        self._measure()
 
-    def _measure(self, rows):
+    def _measure(self):
         """peak_tree_bytes: the prompt, every unexpanded verified candidate, every queued and decoding step (with
-        its ancestors once) under TreeMemory's model. rows: this decode step's rows (those that ended are queued)."""
-        waiting = {id(row): row for row in rows + [row for row, _ in self.queue.items()]}.values()
+        its ancestors once) under TreeMemory's model."""
+        waiting = {id(row): row for row in self.rows + [row for row, _ in self.queue.items()]}.values()
         open_steps = [Trajectory(-1 - i, row.parent, row.parent.steps + [row.tokens], [], None)
                       for i, row in enumerate(waiting)]
         leaves = [t for level in self.levels.values() for t in level.verified if t not in self.expanded]
@@ -164,10 +152,9 @@ class BeamRun:
         level = self.levels.setdefault(depth, Level())
         step_scores = row.parent.step_scores + [score]
         aggregated = aggregate_step_scores(step_scores, self.config.aggregation)  # the same for every copy
-        for key, _ in row.siblings:
+        for candidate in row.candidates:
             t = Trajectory(self.next_node, row.parent, row.parent.steps + [row.tokens], step_scores, state,
-                           row.tokens[-1] in self.policy.eos)
-            self.key[t] = key
+                           row.tokens[-1] in self.policy.eos, key=candidate.key)
             self.score[t] = aggregated
             level.verified.append(t)
         self.next_node += 1
@@ -176,18 +163,18 @@ class BeamRun:
     def _settle(self):
         """After new scores: prune, close every level that can be closed, and (speculative) expand every verified
         candidate still standing."""
-        if self.config.early_pruning:
+        if self.options.early_pruning:
             self._prune_early()
         depth = next((d for d in sorted(self.levels) if not self.levels[d].closed), None)
         while depth in self.levels and self.levels[depth].verified and self._closable(depth):
             self._close(depth)
             depth += 1
-        if self.config.speculative:
+        if self.options.speculative:
             self._expand([t for d, level in sorted(self.levels.items()) for t in level.verified
                           if d < self.config.max_steps and not t.finished and t not in self.expanded])
 
     def _rank(self, t):
-        return -self.score[t], self.key[t]
+        return -self.score[t], t.key
 
     def _doomed(self, t):
         return any(a in self.pruned for a in t.lineage())
@@ -205,10 +192,7 @@ class BeamRun:
 
     def _drop(self, doomed_parent):
         """Drop decoding rows and queued requests whose parent satisfies doomed_parent(parent)."""
-        keep = [i for i, row in enumerate(self.rows) if not doomed_parent(row.parent)]
-        if len(keep) < len(self.rows):
-            self.batch.select(torch.tensor(keep, dtype=torch.long))
-            self.rows = [self.rows[i] for i in keep]
+        self.decoder.drop(lambda row: doomed_parent(row.parent))
         self.queue.drop(lambda item: doomed_parent(item[0].parent))
 
     def _closable(self, depth):
@@ -265,11 +249,12 @@ class BeamRun:
         return sum(self._sure(o, path) for o in others)
 
 
-def batched_beam_search(policy, prompt, verifier, config, answer_fn):
-    """Beam search with `policy` (a Policy) on the batched decoder; config: SearchConfig with batched=True.
-    Returns a SearchResult; stats: step_tokens (row-tokens decoded), forwards (batched forward passes), verifier_calls
-    (requests scored) and verifier_batches (verifier invocations), steps (deepest level), pruned (candidates pruned
-    after verification), peak_tree_bytes (TreeMemory's model) and peak_batch_bytes (the padded batch's cache)."""
+def spec_beam_search(policy, prompt, verifier, config, answer_fn, embedder=None):
+    """Beam search with `policy` (a Policy); config: SearchConfig(strategy="spec_beam"), switches in
+    config.spec_beam (BeamOptions). Returns a SearchResult; stats: step_tokens (row-tokens decoded), forwards
+    (batched forward passes), verifier_calls (requests scored) and verifier_batches (verifier invocations), steps
+    (deepest level), pruned (candidates pruned after verification), peak_tree_bytes (TreeMemory's model) and
+    peak_held_bytes (the padded batch plus every snapshot alive, RowBatch.held_bytes). embedder is unused."""
     start = time.perf_counter()
     run = BeamRun(policy, prompt, verifier, config)
     completed = run.run()

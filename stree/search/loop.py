@@ -1,19 +1,24 @@
-"""One search loop for every strategy: expand the chosen trajectories by one step, score the new steps, choose.
+"""One search loop for the level-synchronous strategies, and the dispatch to every strategy.
 
     result = tree_search(model, prompt_ids, verifier, SearchConfig(strategy="rebase", width=16))
 
 The verifier is any callable (prompt_tokens, steps) -> float scoring the latest step of a trajectory (steps: its
-list of step token lists); a PRM is wrapped into one. Strategies, dispatched from STRATEGIES, decide how many
-continuations each live trajectory gets next; the width shrinks as trajectories finish.
+list of step token lists); a PRM is wrapped into one. Every strategy generates its steps on batched rows
+(stree.search.batched.StepDecoder): for one problem, one forward pass per token for every live trajectory's
+sibling branches together. The level-synchronous ones (ALLOCATIONS: best_of_n, beam, dvts, rebase, ets) expand the
+chosen trajectories by one step, score the new steps, and decide how many continuations each live trajectory gets
+next; the width shrinks as trajectories finish. spec_beam is beam search on its own schedule, synchronous or
+speculative (stree.search.beam, options in BeamOptions).
 """
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .allocation import ETS_WEIGHTS, ets_select, rebase_allocation
-from .beam import batched_beam_search
+from .batched import Candidate, Request, StepDecoder, candidate_generator
+from .beam import BeamOptions, spec_beam_search
 from .clusters import cluster_embeddings
 from .policy import Policy
 from .tree import Trajectory, TreeMemory, search_result, trajectory_scores
@@ -21,9 +26,9 @@ from .tree import Trajectory, TreeMemory, search_result, trajectory_scores
 
 @dataclass
 class SearchConfig:
-    strategy: str = "rebase"          # best_of_n | beam | dvts | rebase | ets
+    strategy: str = "rebase"          # best_of_n | beam | dvts | rebase | ets | spec_beam
     width: int = 16                   # N: continuations per step
-    beam_width: int = 0               # beam / DVTS: trajectories (subtrees) kept; 0 = round(sqrt(N))
+    beam_width: int = 0               # beam / DVTS / spec_beam: trajectories (subtrees) kept; 0 = round(sqrt(N))
     max_steps: int = 8
     temperature: float = 1.0
     top_p: float = None
@@ -37,19 +42,13 @@ class SearchConfig:
     ets_weights: str = "rebase"       # ETS outcome weights: "rebase" (REBASE's counts / width, as ETS) or "softmax"
     ets_costs: str = "nodes"          # ETS node term: "nodes" (one per node, as ETS) or "bytes" (TreeMemory's bytes)
     aggregation: str = "last"         # trajectory score from step scores: last | min | prod
-    seed: int = 0
+    seed: int = 0                     # candidate with sibling indices `key` draws from candidate_generator(seed, key)
     leaf_states: str = "keep"         # keep: every leaf holds its SSM snapshot until the strategy chooses;
                                       # replay: leaves keep tokens only, chosen ones are rebuilt from their parent's
-                                      # snapshot (one forward over the step): fewer snapshots, more compute
-    # Beam search on the batched step decoder (stree.search.beam), each switch on its own:
-    batched: bool = False             # decode candidates as rows of one batch; needs strategy="beam"
-    speculative: bool = False         # expand a verified candidate without waiting for its level (SpecScale)
-    early_pruning: bool = False       # speculative: drop candidates that can no longer reach their level's top-k
-    dedup: bool = True                # siblings from one state share forward passes while their tokens agree
-    lazy_verification: bool = False   # speculative: queue verifier requests and score them in batches
-    verify_token_budget: int = 2048   # lazy verification: score once this many tokens wait...
-    verify_max_deferrals: int = 6     # ...or once a request has waited this many decode steps
-    verify_sibling_completion: bool = False  # lazy verification: ...or once all siblings of a request finished
+                                      # snapshot (their step replayed in the next step's batch): fewer snapshots,
+                                      # more compute
+    dedup: bool = True                # candidates from one state share a row (one forward) while their tokens agree
+    spec_beam: BeamOptions = field(default_factory=BeamOptions)  # strategy="spec_beam" only
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -61,31 +60,16 @@ class SearchConfig:
                              f"{self.ets_weights!r} and {self.ets_costs!r}")
         if self.leaf_states not in ("keep", "replay"):
             raise ValueError(f"leaf_states must be 'keep' or 'replay', got {self.leaf_states!r}")
-        if self.batched and self.leaf_states != "keep":
-            raise ValueError("batched beam search keeps every candidate's state in its batch: use leaf_states='keep'")
-        if self.batched:
-            if self.strategy != "beam":
-                raise ValueError(f"batched=True runs beam search only: set strategy='beam' (got {self.strategy!r})")
+        if not isinstance(self.spec_beam, BeamOptions):
+            raise ValueError(f"spec_beam must be a BeamOptions, got {type(self.spec_beam).__name__}")
+        if self.strategy == "spec_beam":
+            if self.leaf_states != "keep":
+                raise ValueError("spec_beam keeps every candidate's state in its batch: use leaf_states='keep'")
             if self.width % self.kept:
-                raise ValueError(f"batched beam search expands each of the k={self.kept} kept trajectories into "
-                                 f"width/k children: width ({self.width}) must be a multiple of k (set beam_width)")
-        else:
-            for name in ("speculative", "early_pruning", "lazy_verification"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}=True needs the batched beam search (batched=True, strategy='beam')")
-            if not self.dedup:
-                raise ValueError("dedup=False needs batched=True: the sequential policy always merges siblings")
-        if not self.speculative:
-            for name in ("early_pruning", "lazy_verification"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
-                                     "and verifies whole levels at once")
-        if self.verify_sibling_completion and not self.lazy_verification:
-            raise ValueError("verify_sibling_completion=True is a lazy verification rule: it needs "
-                             "lazy_verification=True")
-        if self.verify_token_budget < 1 or self.verify_max_deferrals < 0:
-            raise ValueError(f"verify_token_budget must be >= 1 and verify_max_deferrals >= 0, got "
-                             f"{self.verify_token_budget} and {self.verify_max_deferrals}")
+                raise ValueError(f"spec_beam expands each of the k={self.kept} kept trajectories into width/k "
+                                 f"children: width ({self.width}) must be a multiple of k (set beam_width)")
+        elif self.spec_beam != BeamOptions():
+            raise ValueError(f"spec_beam options apply to strategy='spec_beam' only (got {self.strategy!r})")
 
     @property
     def kept(self):
@@ -150,7 +134,7 @@ def ets(live, width, config, context):
     return [(t, n) for group, count in zip(copies, counts) for t, n in zip(group, _shares(count, len(group)))]
 
 
-STRATEGIES = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
+ALLOCATIONS = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
 
 
 @dataclass
@@ -165,81 +149,108 @@ class SearchContext:
         return torch.as_tensor(self.embedder(trajectory.tokens), dtype=torch.float32).flatten().cpu()
 
 
-def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
-    """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
-    (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
-    the policy's hidden state at the step's last token, no extra model; e.g. a local sentence-transformers model's
-    encode on the decoded text). Returns a SearchResult; stats count the tokens of the distinct steps
-    drawn (siblings that drew the same step count once), verifier calls, steps, wall time, and peak_tree_bytes:
-    the most bytes the tree held right after a step was generated (every live and finished trajectory with its
-    shared prefixes) under TreeMemory's model. With config.batched, beam search runs on the batched step decoder,
-    synchronous or speculative (stree.search.beam.batched_beam_search, which documents its stats)."""
-    policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
-                    step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
-                    eos_token_ids=config.eos_token_ids)
-    answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
-    prompt = torch.as_tensor(prompt_ids).flatten().tolist()
-    if config.batched:
-        return batched_beam_search(policy, prompt, verifier, config, answer_fn)
-    generator = torch.Generator().manual_seed(config.seed)
+def level_search(policy, prompt, verifier, config, answer_fn, embedder=None):
+    """The level-synchronous search (config.strategy in ALLOCATIONS); see tree_search."""
     start = time.perf_counter()
-    root = Trajectory(node=0, parent=None, steps=[], step_scores=[], state=policy.prefill(prompt))
-    memory = TreeMemory(root.state)
+    batch, root_state = policy.prefill(prompt)
+    root = Trajectory(0, None, [], [], root_state)
+    memory = TreeMemory(root_state)
     context = SearchContext(memory, embedder)
+    replay = config.leaf_states == "replay"
+    decoder = StepDecoder(policy, batch, dedup=config.dedup, keep_states=not replay)
     expansions = [(root, config.width)]
     finished, live, next_node = [], [], 1
-    stats = dict(step_tokens=0, verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
-    replay = config.leaf_states == "replay"
-    previous_parents = []  # replay: the trajectories expanded last: the chosen leaves are rebuilt from them
+    stats = dict(verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
+    previous_parents = []  # replay: the nodes expanded last step: their snapshots rebuild this step's parents
     for step in range(config.max_steps):
         parents = [parent for parent, count in expansions if count > 0]
-        if replay and step:
-            _rebuild_states(policy, parents)
-            for parent in previous_parents:
-                _release(parent.state)
+        decoder.start(_requests(expansions, config.seed, replay))
+        for parent in (previous_parents if replay else parents):  # the batch holds copies now
+            parent.state.release()
         previous_parents = parents
+        ended = []
+        while decoder.branches:
+            ended += decoder.step()
         children = []
-        for parent, count in expansions:
-            if count <= 0:
-                continue
-            for drawn in policy.sample_steps(parent.state, count, generator):
-                if replay or drawn.finished:  # nothing forks from here (yet): drop the snapshot, keep the embedding
-                    _release(drawn.state)
-                steps = parent.steps + [drawn.tokens]
-                score = verifier(prompt, steps)  # siblings that drew the same step share its score
-                stats["verifier_calls"] += 1
-                for _ in range(drawn.count):  # one search-tree node: the copies share its tokens and state
-                    group = len(children) % config.kept if step == 0 else parent.group
-                    children.append(Trajectory(next_node, parent, steps, parent.step_scores + [score], drawn.state,
-                                               drawn.finished, group))
-                next_node += 1
-                stats["step_tokens"] += len(drawn.tokens)
+        for (parent_node, tokens), group in _nodes(ended):
+            head = group[0][0].parent
+            steps = head.steps + [list(tokens)]
+            score = verifier(prompt, steps)  # copies of a node (one step of one parent node) share its score
+            stats["verifier_calls"] += 1
+            done = tokens[-1] in policy.eos
+            state = group[0][1]
+            for candidate in sorted((c for branch, _ in group for c in branch.candidates), key=lambda c: c.key):
+                p = candidate.parent
+                children.append(Trajectory(next_node, p, steps, p.step_scores + [score], state, done,
+                                           candidate.key[0] % config.kept if step == 0 else p.group, candidate.key))
+            next_node += 1
+        children.sort(key=lambda t: t.key)
         stats["steps"] = step + 1
         finished += [c for c in children if c.finished]
         live = [c for c in children if not c.finished]
         stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"],
                                        memory.tree_bytes(live + finished, parents if replay else None))
-        if not replay:  # the children hold their own states now
-            for parent in parents:
-                _release(parent.state)
         width = config.width - len(finished)
         if not live or width <= 0 or step == config.max_steps - 1:
             break
-        expansions = STRATEGIES[config.strategy](live, width, config, context)
+        expansions = ALLOCATIONS[config.strategy](live, width, config, context)
+        chosen = {t.node for t, count in expansions if count > 0}
+        for t in live:
+            if t.node not in chosen:  # nothing will fork from it
+                t.state.release()
+    stats.update(decoder.stats)
     return search_result(finished or live, config.aggregation, answer_fn, stats, start)
 
 
-def _release(state):
-    """Free a PolicyState's cache (its snapshot); its hidden state stays as the step's embedding."""
-    state.cache = state.logits = None
+def _requests(expansions, seed, replay):
+    """One decoder request per search-tree node to expand: its copies' candidates (trajectory t's j-th continuation
+    has key t.key + (j,)) share the node's state. replay: a non-root node's state is rebuilt from its parent's
+    snapshot by feeding its step first."""
+    by_node = {}
+    for t, count in expansions:
+        keys = [t.key + (j,) for j in range(count)]
+        by_node.setdefault(t.node, (t, []))[1].extend(Candidate(k, candidate_generator(seed, k), t) for k in keys)
+    requests = []
+    for t, candidates in by_node.values():
+        if not candidates:
+            continue
+        if replay and t.parent is not None:
+            requests.append(Request(t.parent.state, candidates, tuple(t.steps[-1]), t.state))
+        else:
+            requests.append(Request(t.state, candidates))
+    return requests
 
 
-def _rebuild_states(policy, chosen):
-    """leaf_states="replay": give each chosen trajectory its state back, replaying its last step on top of its
-    parent's snapshot, once per search-tree node (copies share one state). A parent's last rebuilt child takes its
-    snapshot over instead of copying it; the caller releases the parents that had no chosen child."""
-    nodes = list({t.node: t for t in chosen}.values())
-    last_child = {id(t.parent.state): t for t in nodes}  # copies of a parent share one state: key by the state
-    for t in nodes:
-        rebuilt = policy.extend(t.parent.state, t.steps[-1], fork=last_child[id(t.parent.state)] is not t)
-        t.state.cache, t.state.logits = rebuilt.cache, rebuilt.logits
+def _nodes(ended):
+    """The ended branches grouped into search-tree nodes, one per (parent node, step tokens) (without dedup,
+    candidates that drew the same step end in several rows: the node keeps the first row's state), ordered by their
+    candidates' smallest key."""
+    groups = {}
+    for branch, state in ended:
+        groups.setdefault((branch.parent.node, tuple(branch.tokens)), []).append((branch, state))
+    for group in groups.values():
+        for _, duplicate in group[1:]:
+            duplicate.release()
+    return sorted(groups.items(), key=lambda item: min(c.key for branch, _ in item[1] for c in branch.candidates))
+
+
+STRATEGIES = {**{name: level_search for name in ALLOCATIONS}, "spec_beam": spec_beam_search}
+
+
+def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
+    """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
+    (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
+    the policy's hidden state at the step's last token, no extra model; e.g. a local sentence-transformers model's
+    encode on the decoded text). Returns a SearchResult. stats: verifier_calls (one per distinct step of a parent
+    node), steps, wall_time, forwards (batched forward passes), step_tokens (row-tokens drawn and fed: siblings share
+    a row while their tokens agree), replay_tokens (row-tokens fed to rebuild replayed leaves), peak_tree_bytes (the
+    most bytes the tree held right after a step was generated, every live and finished trajectory with its shared
+    prefixes, under TreeMemory's model) and peak_held_bytes (the most bytes of cache state this engine really kept:
+    the padded batch plus every snapshot alive, RowBatch.held_bytes). spec_beam documents its own stats
+    (stree.search.beam.spec_beam_search)."""
+    policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
+                    step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
+                    eos_token_ids=config.eos_token_ids)
+    answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
+    prompt = torch.as_tensor(prompt_ids).flatten().tolist()
+    return STRATEGIES[config.strategy](policy, prompt, verifier, config, answer_fn, embedder)

@@ -2,8 +2,7 @@
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from ..models.rows import nbytes
 from .answers import aggregate_step_scores, weighted_majority_vote
 
 
@@ -14,9 +13,10 @@ class Trajectory:
     parent: "Trajectory"
     steps: list                       # token lists, one per step
     step_scores: list
-    state: object                     # PolicyState after the last step
+    state: object                     # RowState after the last step (released once nothing forks from it)
     finished: bool = False
     group: int = 0                    # DVTS subtree
+    key: tuple = ()                   # sibling indices from the root (seeds the candidate's draws)
 
     @property
     def tokens(self):
@@ -48,20 +48,14 @@ class TreeMemory:
     A node keeps the attention K/V of its step's tokens (the prompt for the root); a node that holds a state also
     keeps one SSM snapshot (conv + recurrent states of every Mamba2 layer), from which its children fork: every
     unfinished leaf, or, with SearchConfig(leaf_states="replay"), only the nodes being expanded. Siblings that drew
-    the same step are one node. Measured on the policy's cache after the prompt.
+    the same step are one node. Sizes measured on the prompt's snapshot. This is what a tree that shares prefixes
+    keeps; the row engine itself copies each row's prefix (SearchResult.stats["peak_held_bytes"] counts that).
     """
 
     def __init__(self, root_state):
-        kv, ssm = 0, 0
-        for layer in root_state.cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                kv += t.nbytes if isinstance(t, torch.Tensor) else 0
-            for name in ("conv_states", "recurrent_states"):
-                states = getattr(layer, name, None) or {}
-                ssm += sum(t.nbytes for t in states.values() if isinstance(t, torch.Tensor))
-        self.kv_per_token = kv / root_state.length
-        self.ssm_bytes = ssm
+        """root_state: the prompt's RowState (stree.models.rows)."""
+        self.kv_per_token = nbytes(root_state.kv) / root_state.length
+        self.ssm_bytes = nbytes(root_state.states)
         self.prompt_length = root_state.length
 
     def node_bytes(self, trajectory):
