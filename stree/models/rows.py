@@ -19,6 +19,7 @@ written. The batch is re-packed (valid columns moved to the front) when padding 
     snapshot = batch.row(1)                        # a RowState to park, verify, or add again later
     batch.held_bytes()                             # the batch's cache tensors + every snapshot still alive
 """
+import copy
 import weakref
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ def _slots(cache):
         for name in STATE_NAMES:
             states = getattr(layer, name, None) or {}
             slots += [_Slot(i, name, states, key) for key, t in states.items() if isinstance(t, torch.Tensor)]
-        if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel():
+        if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4:
             if getattr(layer, "is_sliding", False):
                 raise ValueError("sliding-window attention caches are not supported")
             slots += [_Slot(i, name, layer, name) for name in KV_NAMES]
@@ -108,16 +109,18 @@ class RowBatch:
     """Rows of forked states of `model`, decoded together. Made by `prefill` (the cache layout comes from the
     prompt's HF cache); every snapshot it makes is tracked so that held_bytes counts what is really kept."""
 
-    def __init__(self, model, cache, length, logits, hidden):
-        """cache: an HF cache holding one row of `length` tokens; logits (1, vocab), hidden (1, hidden)."""
+    def __init__(self, model, cache, mask, lengths, logits, hidden, snapshots=None):
+        """cache: an HF cache of B rows; mask (B, W) bool: each row's valid K/V columns; lengths (B,) tokens
+        consumed; logits (B, vocab), hidden (B, hidden) at each row's latest token; snapshots: the WeakSet that
+        tracks the snapshots made (shared with side batches)."""
         self.model, self.cache = model, cache
         slots = _slots(cache)
         self.kv_slots = [s for s in slots if s.is_kv]
         self.state_slots = [s for s in slots if not s.is_kv]
-        self.mask = torch.ones(1, length if self.kv_slots else 0, dtype=torch.bool, device=model.device)  # (B, W)
-        self.lengths = torch.tensor([length], device=model.device)                                          # (B,)
-        self.logits, self.hidden = logits, hidden                                                           # (B, .)
-        self.snapshots = weakref.WeakSet()
+        self.mask = mask if self.kv_slots else mask[:, :0]
+        self.lengths, self.logits, self.hidden = lengths, logits, hidden
+        self.snapshots = weakref.WeakSet() if snapshots is None else snapshots
+        self._empty = None                   # (an empty copy of the cache, its (0, W) mask): side batches' layout
 
     @classmethod
     @torch.no_grad()
@@ -130,10 +133,28 @@ class RowBatch:
         out = model(input_ids=torch.tensor([tokens], device=model.device), cache=cache, use_cache=True,
                     position_ids=torch.arange(len(tokens), device=model.device)[None], output_hidden_states=True,
                     logits_to_keep=1)
-        batch = cls(model, cache, len(tokens), out.logits[:, -1], out.hidden_states[-1][:, -1])
+        batch = cls(model, cache, torch.ones(1, len(tokens), dtype=torch.bool, device=model.device),
+                    torch.tensor([len(tokens)], device=model.device), out.logits[:, -1], out.hidden_states[-1][:, -1])
         root = batch.row(0)
         batch.select(torch.zeros(0, dtype=torch.long))
+        batch._empty = (copy.deepcopy(batch.cache), batch.mask.clone())
         return batch, root
+
+    @torch.no_grad()
+    def extend(self, state, tokens):
+        """The RowState after feeding `tokens` on top of snapshot `state`: one forward pass over all of them in a
+        one-row side batch (this batch is unchanged)."""
+        cache, mask = self._empty
+        side = RowBatch(self.model, copy.deepcopy(cache), mask, self.lengths[:0], self.logits[:0], self.hidden[:0],
+                        self.snapshots)
+        side.add([state])
+        positions = torch.arange(state.length, state.length + len(tokens), device=self.model.device)[None]
+        if side.kv_slots:  # the one row's columns are all valid: the model's own causal mask is the right one
+            side.mask = torch.cat([side.mask, side.mask.new_ones(1, len(tokens))], dim=1)
+        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.model.device), cache=side.cache,
+                         use_cache=True, position_ids=positions, output_hidden_states=True, logits_to_keep=1)
+        side._advanced(out, len(tokens))
+        return side.row(0)
 
     def __len__(self):
         return self.lengths.shape[0]
@@ -187,9 +208,13 @@ class RowBatch:
             kwargs["attention_mask"] = additive.masked_fill(~self.mask, torch.finfo(self.model.dtype).min)[:, None, None]
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, position_ids=self.lengths[:, None],
                          output_hidden_states=True, **kwargs)
-        self.lengths = self.lengths + 1
-        self.logits, self.hidden = out.logits[:, -1], out.hidden_states[-1][:, -1]
+        self._advanced(out, 1)
         return self.logits
+
+    def _advanced(self, out, n):
+        """After a forward of n tokens per row (their K/V columns already in the mask): lengths, logits, hidden."""
+        self.lengths = self.lengths + n
+        self.logits, self.hidden = out.logits[:, -1], out.hidden_states[-1][:, -1]
 
     def nbytes(self):
         """Bytes the batch's cache tensors occupy, padding included."""

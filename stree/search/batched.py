@@ -8,9 +8,10 @@ feeds one token per branch: every candidate of a drawing branch draws its next t
 branches split where their draws differ, and branches whose step ended (a delimiter, EOS or the token budget) leave
 the batch with their state: a snapshot (RowState), or, with keep_states=False or after EOS, only the hidden state.
 
-Replayed leaves (SearchConfig(leaf_states="replay")): a branch may first feed `forced` tokens (the step of the leaf
-it continues, on top of the leaf's parent's snapshot); when they are in, the leaf's released state is filled from
-the row (its snapshot is kept: the leaf's children are rebuilt from it next) and the candidates start drawing.
+Replayed leaves (SearchConfig(leaf_states="replay")): a request may name `forced` tokens (the step of the leaf it
+continues) to feed on top of its state (the leaf's parent's snapshot) before the first draw; they go in with one
+forward pass over all of them (RowBatch.extend), and the leaf's released state gets the result back (the leaf's
+children are rebuilt from it next time).
 
     decoder = StepDecoder(policy, batch)
     decoder.start([Request(root_state, [Candidate(key, candidate_generator(seed, key), root) for key in keys])])
@@ -43,8 +44,6 @@ class Branch:
     """Candidates decoded in one batch row: they start from one state and drew the same tokens so far."""
     candidates: list
     tokens: list = field(default_factory=list)   # the step so far
-    forced: list = field(default_factory=list)   # replay: tokens still to feed before the first draw
-    rebuilds: RowState = None                    # replay: the released state the forced tokens rebuild
 
     @property
     def parent(self):
@@ -53,8 +52,8 @@ class Branch:
 
 @dataclass
 class Request:
-    """Start a branch: `candidates` continue from `state` (a RowState, copied into the batch), after feeding
-    `forced` tokens whose resulting state fills `rebuilds` (replay)."""
+    """Start a branch: `candidates` continue from `state` (a RowState, copied into the batch); replay: after
+    `forced` tokens, whose resulting state fills the released RowState `rebuilds`."""
     state: RowState
     candidates: list
     forced: tuple = ()
@@ -62,21 +61,30 @@ class Request:
 
 
 class StepDecoder:
-    """Branches of steps decoded together on one RowBatch. stats: forwards (batched passes), step_tokens (row-tokens
-    drawn and fed, after dedup), replay_tokens (forced row-tokens), peak_held_bytes (RowBatch.held_bytes after each
-    pass, when the ended rows' snapshots and the batch both exist)."""
+    """Branches of steps decoded together on one RowBatch. stats: forwards (model passes: batched decode passes and
+    replays), step_tokens (row-tokens drawn and fed, after dedup), replayed (leaves rebuilt, one pass each) and
+    replay_tokens (the tokens fed to rebuild them), peak_held_bytes (RowBatch.held_bytes after each decode pass, when the ended
+    rows' snapshots and the batch both exist)."""
 
     def __init__(self, policy, batch, *, dedup=True, keep_states=True):
         self.policy, self.batch = policy, batch
         self.dedup, self.keep_states = dedup, keep_states
         self.branches = []                       # Branch per batch row
-        self.stats = dict(forwards=0, step_tokens=0, replay_tokens=0, peak_held_bytes=batch.held_bytes())
+        self.stats = dict(forwards=0, step_tokens=0, replayed=0, replay_tokens=0, peak_held_bytes=batch.held_bytes())
 
     def start(self, requests):
         """Add one row per request (its state is copied: the caller may release it afterwards)."""
-        self.batch.add([r.state for r in requests])
-        self.branches += [Branch(list(r.candidates), [], list(r.forced), r.rebuilds if r.forced else None)
-                          for r in requests]
+        states = []
+        for r in requests:
+            if r.forced:
+                _fill(r.rebuilds, self.batch.extend(r.state, r.forced))
+                self.batch.snapshots.add(r.rebuilds)
+                self.stats["forwards"] += 1
+                self.stats["replayed"] += 1
+                self.stats["replay_tokens"] += len(r.forced)
+            states.append(r.rebuilds if r.forced else r.state)
+        self.batch.add(states)
+        self.branches += [Branch(list(r.candidates)) for r in requests]
 
     def drop(self, doomed):
         """Drop the branches for which doomed(branch) holds."""
@@ -90,11 +98,6 @@ class StepDecoder:
         probs = self.policy.sampler.probs(self.batch.logits, 0).cpu()
         index, feed, grown = [], [], []
         for i, branch in enumerate(self.branches):
-            if branch.forced:
-                index.append(i)
-                feed.append(branch.forced[0])
-                grown.append(Branch(branch.candidates, [], branch.forced[1:], branch.rebuilds))
-                continue
             draws = {}
             for c in branch.candidates:
                 token = int(torch.multinomial(probs[i], 1, generator=c.generator))
@@ -107,18 +110,10 @@ class StepDecoder:
         self.batch.select(torch.tensor(index, dtype=torch.long))
         self.batch.advance(feed)
         self.stats["forwards"] += 1
-        forced = sum(b.rebuilds is not None for b in grown)
-        self.stats["replay_tokens"] += forced
-        self.stats["step_tokens"] += len(feed) - forced
+        self.stats["step_tokens"] += len(feed)
         ended, keep = [], []
         for i, branch in enumerate(grown):
-            if branch.rebuilds is not None:
-                if not branch.forced:  # the replayed step is in: the leaf gets its snapshot back
-                    _fill(branch.rebuilds, self.batch.row(i))
-                    self.batch.snapshots.add(branch.rebuilds)
-                    branch.rebuilds = None
-                keep.append(i)
-            elif self.policy.ends_step(branch.tokens[-1], len(branch.tokens)):
+            if self.policy.ends_step(branch.tokens[-1], len(branch.tokens)):
                 ended.append((branch, self._ended_state(i, branch.tokens[-1])))
             else:
                 keep.append(i)

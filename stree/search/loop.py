@@ -45,8 +45,7 @@ class SearchConfig:
     seed: int = 0                     # candidate with sibling indices `key` draws from candidate_generator(seed, key)
     leaf_states: str = "keep"         # keep: every leaf holds its SSM snapshot until the strategy chooses;
                                       # replay: leaves keep tokens only, chosen ones are rebuilt from their parent's
-                                      # snapshot (their step replayed in the next step's batch): fewer snapshots,
-                                      # more compute
+                                      # snapshot (one forward pass over their step): fewer snapshots, more compute
     dedup: bool = True                # candidates from one state share a row (one forward) while their tokens agree
     spec_beam: BeamOptions = field(default_factory=BeamOptions)  # strategy="spec_beam" only
 
@@ -242,8 +241,9 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
     the policy's hidden state at the step's last token, no extra model; e.g. a local sentence-transformers model's
     encode on the decoded text). Returns a SearchResult. stats: verifier_calls (one per distinct step of a parent
-    node), steps, wall_time, forwards (batched forward passes), step_tokens (row-tokens drawn and fed: siblings share
-    a row while their tokens agree), replay_tokens (row-tokens fed to rebuild replayed leaves), peak_tree_bytes (the
+    node), steps, wall_time, forwards (model forward passes: one per decode step, batched, plus one per replayed leaf), step_tokens (row-tokens drawn and fed: siblings share
+    a row while their tokens agree), replayed and replay_tokens (leaves rebuilt, one forward pass over their step each,
+    and the tokens fed), peak_tree_bytes (the
     most bytes the tree held right after a step was generated, every live and finished trajectory with its shared
     prefixes, under TreeMemory's model) and peak_held_bytes (the most bytes of cache state this engine really kept:
     the padded batch plus every snapshot alive, RowBatch.held_bytes). spec_beam documents its own stats
