@@ -69,7 +69,8 @@ def reference_search(model, prompt, verifier, config):
         counts = ets_select(ancestors, [score(t) for t in heads], clusters, width, lambda_b=config.lambda_b,
                             lambda_d=config.lambda_d, temperature=config.rebase_temperature,
                             steps=[tuple(t["steps"][-1]) for t in heads], copies=[len(g) for g in nodes.values()])
-        return [(t, n) for group, count in zip(nodes.values(), counts) for t, n in zip(group, shares(count, len(group)))]
+        return [(t, n) for group, count in zip(nodes.values(), counts)
+                for t, n in zip(group, shares(count, len(group)))]
 
     expansions, finished, live = [(dict(key=(), steps=[], scores=[], group=0), config.width)], [], []
     for depth in range(config.max_steps):

@@ -205,7 +205,8 @@ class RowBatch:
         if self.kv_slots:
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
             additive = torch.zeros(self.mask.shape, dtype=self.model.dtype, device=self.mask.device)
-            kwargs["attention_mask"] = additive.masked_fill(~self.mask, torch.finfo(self.model.dtype).min)[:, None, None]
+            additive = additive.masked_fill(~self.mask, torch.finfo(self.model.dtype).min)
+            kwargs["attention_mask"] = additive[:, None, None]  # (B, 1, 1, W)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, position_ids=self.lengths[:, None],
                          output_hidden_states=True, **kwargs)
         self._advanced(out, 1)

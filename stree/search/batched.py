@@ -63,8 +63,8 @@ class Request:
 class StepDecoder:
     """Branches of steps decoded together on one RowBatch. stats: forwards (model passes: batched decode passes and
     replays), step_tokens (row-tokens drawn and fed, after dedup), replayed (leaves rebuilt, one pass each) and
-    replay_tokens (the tokens fed to rebuild them), peak_held_bytes (RowBatch.held_bytes after each decode pass, when the ended
-    rows' snapshots and the batch both exist)."""
+    replay_tokens (the tokens fed to rebuild them), peak_held_bytes (RowBatch.held_bytes after each decode pass,
+    when the ended rows' snapshots and the batch both exist)."""
 
     def __init__(self, policy, batch, *, dedup=True, keep_states=True):
         self.policy, self.batch = policy, batch

@@ -240,14 +240,17 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
     (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
     the policy's hidden state at the step's last token, no extra model; e.g. a local sentence-transformers model's
-    encode on the decoded text). Returns a SearchResult. stats: verifier_calls (one per distinct step of a parent
-    node), steps, wall_time, forwards (model forward passes: one per decode step, batched, plus one per replayed leaf), step_tokens (row-tokens drawn and fed: siblings share
-    a row while their tokens agree), replayed and replay_tokens (leaves rebuilt, one forward pass over their step each,
-    and the tokens fed), peak_tree_bytes (the
-    most bytes the tree held right after a step was generated, every live and finished trajectory with its shared
-    prefixes, under TreeMemory's model) and peak_held_bytes (the most bytes of cache state this engine really kept:
-    the padded batch plus every snapshot alive, RowBatch.held_bytes). spec_beam documents its own stats
-    (stree.search.beam.spec_beam_search)."""
+    encode on the decoded text). Returns a SearchResult. stats:
+      verifier_calls   one per distinct step of a parent node;
+      steps, wall_time;
+      forwards         model forward passes: one per decode step (batched), plus one per replayed leaf;
+      step_tokens      row-tokens drawn and fed (siblings share a row while their tokens agree);
+      replayed, replay_tokens   leaves rebuilt (one pass over their step each) and the tokens fed for them;
+      peak_tree_bytes  the most bytes the tree held right after a step was generated (every live and finished
+                       trajectory with its shared prefixes) under TreeMemory's model;
+      peak_held_bytes  the most bytes of cache state this engine really kept: the padded batch plus every snapshot
+                       alive (RowBatch.held_bytes).
+    spec_beam documents its own stats (stree.search.beam.spec_beam_search)."""
     policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
                     step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                     eos_token_ids=config.eos_token_ids)
