@@ -175,7 +175,7 @@ def test_generate_samples_the_target_distribution(family, tree, temperature, top
     exact = exact_model_distribution(target, prompt, 3, sampler)
     g = torch.Generator().manual_seed(0)
     counts = {}
-    for _ in range(1000):
+    for _ in range(600):
         out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=3, temperature=temperature,
                              top_k=top_k, top_p=top_p, tree=tree, generator=g)
         seq = tuple(out[0, 3:].tolist())
