@@ -44,6 +44,12 @@ PRESETS = {
                                     state_size=64, n_groups=1)),
     "mamba2-2.7b-4layers": ("mamba2", dict(vocab_size=50288, hidden_size=2560, num_hidden_layers=4, num_heads=80,
                                            head_dim=64, state_size=128, n_groups=1)),
+    # Nemotron-H-8B's layer shape (Mamba2: 128 heads of 64, state 128, 8 groups; attention 32 / 8 heads of 128;
+    # ReLU² MLP 21504): one layer of each kind and a second MLP.
+    "nemotron-h-8b-4layers": ("nemotron_h", dict(
+        vocab_size=32768, hidden_size=4096, layers_block_type=["mamba", "mlp", "attention", "mlp"],
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504, ssm_state_size=128,
+        mamba_num_heads=128, mamba_head_dim=64, n_groups=8, conv_kernel=4, expand=2, chunk_size=128)),
     # Qwen3.5's layer shape (HF's default config: Gated DeltaNet 16 key / 32 value heads of 128, gated attention 16 /
     # 4 heads of 256, partial rotary), three GDN layers and one attention layer, a smaller vocabulary.
     "qwen3.5-like-4layers": ("qwen3_5", dict(

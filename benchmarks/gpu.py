@@ -18,7 +18,7 @@ DIR/summary.json are rewritten after every step.
                                                                                           -> step2-kernels.json
   3 generate     benchmarks/generate.py once per GENERATE_RUNS entry: the bundled pair (and its target inflated
                  to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager and
-                 compiled, and the tree-pass cost curve at the Mamba2-2.7B shape   -> step3-generate-<name>.json
+                 compiled, and the tree-pass cost curves at the Mamba2-2.7B and Nemotron-H-8B shapes   -> step3-generate-<name>.json
 """
 import argparse
 import importlib.util
@@ -50,7 +50,9 @@ GENERATE_RUNS = {
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--compile"], None, (80, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
-                             None, (40, 0)),  # the dry run's bundled-pair run already times the tree overhead
+                             None, (30, 0)),  # the dry run's bundled-pair run already times the tree overhead
+    "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
+                               None, (30, 0)),
 }
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and benchmarks/kernels.py's arguments. ------
 BUDGETS = {"equivalence": (160, 120), "kernels": (70, 120)}  # dry-run budgets: a safety net on a loaded CPU
