@@ -5,6 +5,7 @@ from transformers import DynamicCache
 from loops import path_to
 from stree import random_parents
 from stree.models import TINY_CONFIGS, TreeModel, tiny_model
+from stree.models.rows import layer_states
 
 FAMILIES = sorted(TINY_CONFIGS)
 # HF's Mamba1 decode step and its gated delta rule compute in fp32 even in float64 models (stree computes in float64):
@@ -55,18 +56,8 @@ def test_tree_logits_equal_sequential_decode_of_each_path(family):
 
 
 def hf_tensors(cache):
-    """Every cached tensor of every layer of an HF DynamicCache, by name."""
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor) and t.numel():
-                out[f"{i}.{name}"] = t
-        for name in ("conv_states", "recurrent_states"):
-            states = getattr(layer, name, None)
-            if isinstance(states, dict) and states.get(0) is not None:
-                out[f"{i}.{name}"] = states[0]
-    return out
+    """Every cached tensor of every layer of an HF DynamicCache, by name (read through stree's one cache walker)."""
+    return {f"{i}.{name}": t for i, states in layer_states(cache).items() for name, t in states.items()}
 
 
 def state_tensors(state):
