@@ -21,35 +21,11 @@ from stree.models import TreeModel, tiny_model
 from stree.models.gated_delta import PathSums, delta_rule_rows, delta_rule_states
 from stree.sampling import Sampler
 from stree.triton_kernels import TreeIndex, ancestor_mask
+from test_generate import hf_greedy, noisy_copy, prompts, without_eos
 from test_sampling import pit_counts
 
 ONE_PER_KIND = ["jamba", "qwen3_next", "lfm2"]  # Mamba1, Gated DeltaNet, short conv; each with attention and MoE
 FP32_TOL = 2e-5  # HF computes the Mamba1 / gated delta recurrences in fp32 even in float64 models
-
-
-def without_eos(model):
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(model, prompt, n, **kwargs):
-    with torch.no_grad():
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
-                              **kwargs)
-
-
-def noisy_copy(model, scale, seed):
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-    return draft
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 64, (1, n), generator=g) for n in lengths]
 
 
 # ---- the delta-rule tree forms against the naive loops -----------------------------------------------------------

@@ -29,7 +29,7 @@ accepted node: one masked batched matmul per group. Memory per node and layer: k
 import torch
 import torch.nn.functional as F
 
-from .slots import SlotLayers, commit_conv, conv_rows
+from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
 from ..triton_kernels.tree_gated_delta import l2norm
 from ..triton_kernels.utils import as_dtype, compute_dtype
 
@@ -147,13 +147,7 @@ class GatedDeltaLayers(SlotLayers):
     @staticmethod
     def check(module):
         """Raise ValueError for what the tree pass does not implement."""
-        if module.activation not in ("silu", "swish"):
-            raise ValueError(f"Gated DeltaNet layer {module.layer_idx}: the tree conv implements a silu activation, "
-                             f"the model uses {module.activation!r}")
-
-    @staticmethod
-    def window_keys(module):
-        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps K columns of conv state
+        check_silu_conv(module, "Gated DeltaNet")
 
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group

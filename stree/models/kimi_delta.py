@@ -17,7 +17,7 @@ exact segment sums (PathSums over heads x channels), the couplings a (R x T x Dk
 import torch
 
 from .gated_delta import PathSums
-from .slots import SlotLayers, commit_conv, conv_rows
+from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
 from ..triton_kernels.utils import as_dtype, compute_dtype
 
 MIXER_ATTRIBUTES = ("forget_gate", "q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "conv1d",
@@ -90,13 +90,7 @@ class KimiDeltaLayers(SlotLayers):
 
     @staticmethod
     def check(module):
-        if module.activation not in ("silu", "swish"):
-            raise ValueError(f"KDA layer {module.layer_idx}: the tree conv implements a silu activation, the model "
-                             f"uses {module.activation!r}")
-
-    @staticmethod
-    def window_keys(module):
-        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps K columns of conv state
+        check_silu_conv(module, "KDA")
 
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group

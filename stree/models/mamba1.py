@@ -24,7 +24,7 @@ Jamba-1.5-Mini, dim 8192, N 16: 512 KB per node and layer).
 import torch
 import torch.nn.functional as F
 
-from .slots import SlotLayers, commit_conv, conv_rows
+from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
 from ..triton_kernels.utils import as_dtype, compute_dtype
 
 MIXER_ATTRIBUTES = ("A_log", "D", "conv1d", "in_proj", "out_proj", "time_step_rank", "ssm_state_size",
@@ -106,15 +106,9 @@ class Mamba1Layers(SlotLayers):
     @staticmethod
     def check(module):
         """Raise ValueError for what the tree pass does not implement."""
-        if module.activation not in ("silu", "swish"):
-            raise ValueError(f"Mamba1 layer {module.layer_idx}: the tree conv implements a silu activation, the "
-                             f"model uses {module.activation!r}")
+        check_silu_conv(module, "Mamba1")
         if hasattr(module.config, "_is_quantized"):
             raise ValueError("quantized Mamba1 models (HF's dt_proj workaround for them) are not supported")
-
-    @staticmethod
-    def window_keys(module):
-        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps K columns of conv state
 
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group

@@ -12,6 +12,7 @@ preallocated buffers, so the commit of the whole group is one tree_states and on
 import torch
 import torch.nn.functional as F
 
+from .slots import SlotLayers
 from ..triton_kernels import tree_conv1d, tree_conv_state, tree_scan, tree_states
 from ..triton_kernels.utils import as_dtype
 
@@ -36,9 +37,7 @@ class Mamba2Layers:
     def matches(module):
         return all(hasattr(module, name) for name in MIXER_ATTRIBUTES)
 
-    @staticmethod
-    def window_keys(module):
-        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps K columns of conv state
+    window_keys = staticmethod(SlotLayers.window_keys)  # HF keeps K columns of conv state
 
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group

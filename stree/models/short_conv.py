@@ -23,10 +23,6 @@ class ShortConvLayers(SlotLayers):
         return (all(hasattr(module, name) for name in MIXER_ATTRIBUTES) and not hasattr(module, "A_log")
                 and module.in_proj.out_features == 3 * module.in_proj.in_features)
 
-    @staticmethod
-    def window_keys(module):
-        return [(module.conv_kernel_size, module.conv_kernel_size)]  # HF keeps L = width columns of conv state
-
     def __init__(self, mixers, group):
         self.mixers, self.group = mixers, group
         self._slot_specs(len(mixers), group.conv.shape[0], group.conv.device,

@@ -37,11 +37,23 @@ class SlotLayers:
             setattr(self, name, new)
         self.capacity = capacity
 
+    @staticmethod
+    def window_keys(module):
+        """The conv windows a layer reads: HF keeps K = conv_kernel_size columns of conv state."""
+        return [(module.conv_kernel_size, module.conv_kernel_size)]
+
     def slot_nbytes(self):
         """Bytes one node slot takes over the whole group (every buffer and layer, one batch row)."""
         n, _, _, specs = self._slots
         return sum(n * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                    for shape, dtype, _ in specs.values())
+
+
+def check_silu_conv(module, kind):
+    """Raise ValueError unless the layer's conv activation is silu, the one the tree conv implements."""
+    if module.activation not in ("silu", "swish"):
+        raise ValueError(f"{kind} layer {module.layer_idx}: the tree conv implements a silu activation, the model "
+                         f"uses {module.activation!r}")
 
 
 def conv_rows(buffer, inputs, conv, activation, tree_pass, conv_state):
