@@ -127,18 +127,19 @@ class StateCache:
         self._slots = None
 
     # ---- commit, forking, bytes --------------------------------------------------------------------------------
-    def keep_positions(self, positions):
-        """Commit the tree slots `positions` ((batch, n) int64 on the cache's device, each >= length): their K/V
-        move to [length, length + n) in that order and length grows by n."""
-        batch, n = positions.shape
+    def move_positions(self, sources, destinations):
+        """Copy the K/V at positions `sources` to `destinations` (both (batch, n) int64 on the cache's device; all
+        sources are read before anything is written). A commit moves the accepted path's tree slots to the
+        positions after the committed ones; `length` is the caller's to advance."""
+        batch, n = sources.shape
         for store in (self.keys, self.values):
             for t in store.values():
                 if batch == 1:
-                    kept = t.index_select(2, positions[0])
+                    t.index_copy_(2, destinations[0], t.index_select(2, sources[0]))
                 else:
-                    kept = t.gather(2, positions[:, None, :, None].expand(batch, t.shape[1], n, t.shape[3]))
-                t[:, :, self.length:self.length + n] = kept
-        self.length += n
+                    shape = (batch, t.shape[1], n, t.shape[3])
+                    kept = t.gather(2, sources[:, None, :, None].expand(shape))
+                    t.scatter_(2, destinations[:, None, :, None].expand(shape), kept)
 
     def select(self, rows):
         """A new StateCache holding rows `rows` ((n,) int64) of this one (forking search trajectories)."""

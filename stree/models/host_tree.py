@@ -66,20 +66,22 @@ class HostTree:
         rows = np.arange(self.batch)[:, None]
         done = n
         while done < n + R:
-            wave = done + 1
-            while wave < n + R and (parents[:, wave - n] < done).all():
-                wave += 1
+            # the wave runs up to the first later node whose parent is in it (the first node's parent is earlier)
+            waits = (parents[:, done - n + 1:] >= done).any(0)
+            wave = done + 1 + (int(waits.argmax()) if waits.any() else waits.shape[0])
             ids, p = np.arange(done, wave), parents[:, done - n:wave - n]                      # (W,), (batch, W)
             has = p >= 0
             pc = np.where(has, p, 0)
-            self._parents[:, ids] = p
-            self._mask[:, ids] = self._mask[rows, pc] & has[..., None]
+            new = slice(done, wave)
+            self._parents[:, new] = p
+            np.logical_and(self._mask[rows, pc], has[..., None], out=self._mask[:, new])
             self._mask[:, ids, ids] = True
-            self._depth[:, ids] = np.where(has, self._depth[rows, pc] + 1, 0)
+            self._depth[:, new] = (self._depth[rows, pc] + 1) * has
             for (width, state_len), windows in self._windows.items():
-                root = np.arange(state_len - width, state_len)  # a root's window ends with the W newest state columns
-                windows[:, ids, :width - 1] = np.where(has[..., None], windows[rows, pc], root)[..., 1:]
-                windows[:, ids, width - 1] = state_len + ids
+                # a node's window is its parent's shifted by one; a root's ends with the newest state columns
+                root = np.arange(state_len - width + 1, state_len)
+                windows[:, new, :width - 1] = np.where(has[..., None], windows[rows, pc, 1:], root)
+                windows[:, new, width - 1] = state_len + ids
             done = wave
         self.n = n + R
         return n, self.n

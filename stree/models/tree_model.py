@@ -104,6 +104,7 @@ class TreeModel:
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass (torch.compile may replace it)
+        self.commit_run = self._commit  # the device part of a commit (likewise)
 
     @property
     def length(self):
@@ -149,11 +150,11 @@ class TreeModel:
         return logits[:, -1]
 
     def compile(self, **options):
-        """Compile the device part of every pass with torch.compile (inductor; on CUDA mode="reduce-overhead",
-        i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from pass to pass, so the
-        TreeModel needs enough node slots and, for one graph per shape, a pass_width; without one the number of
-        new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more compilation when it
-        first changes). A buffer that grows recompiles."""
+        """Compile the device part of every pass and of every commit with torch.compile (inductor; passes on CUDA
+        with mode="reduce-overhead", i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from
+        pass to pass, so the TreeModel needs enough node slots and, for one graph per shape, a pass_width; without
+        one the number of new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more
+        compilation when it first changes). A buffer that grows recompiles."""
         if self.device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")
             self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
@@ -166,6 +167,10 @@ class TreeModel:
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
         self.run = torch.compile(self._run, options=extra, **options)
+        # The commit reads the last pass's outputs (its TreeIndex), which live in a CUDA graph's memory pool; it is
+        # compiled without CUDA graphs of its own (inductor still fuses its kernels into a few).
+        commit_options = {k: v for k, v in options.items() if not (k == "mode" and v == "reduce-overhead")}
+        self.commit_run = torch.compile(self._commit, options=dict(extra), **commit_options)
         return self
 
     @torch.no_grad()
@@ -324,13 +329,26 @@ class TreeModel:
         if any(len(p) != len(paths[0]) for p in paths):
             raise ValueError(f"accepted paths of different lengths across the batch ({[len(p) for p in paths]}) "
                              "are not supported")
-        device = self.device
-        node_ids = torch.tensor(nodes, device=device)
-        for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
-            layers.commit(self._index, node_ids)
-        cache.keep_positions(cache.length + torch.tensor(paths, dtype=torch.long, device=device).reshape(
-            cache.batch, -1))
+        # One transfer: the nodes, then each row's path slots (sources) and where they go (destinations). Paths are
+        # padded to the tree's slot count (padding copies a position onto itself), so no shape depends on the path.
+        n, width = len(paths[0]), self.tree.capacity
+        destinations = cache.length + np.arange(width)
+        sources = np.tile(destinations, (cache.batch, 1))
+        sources[:, :n] = cache.length + np.asarray(paths, dtype=np.int64).reshape(cache.batch, n)
+        packed = np.concatenate([np.asarray(nodes, dtype=np.int64), sources.reshape(-1),
+                                 np.tile(destinations, cache.batch)])
+        flat = torch.from_numpy(packed).to(self.device)
+        moves = flat[cache.batch:].view(2, cache.batch, width)
+        self.commit_run(self._index, flat[:cache.batch], moves)
+        cache.length += n
         self.tree = self._index = None
+
+    def _commit(self, index, nodes, moves):
+        """The device part of a commit (no host sync; fixed shapes): every state group to path(nodes) ((batch,)
+        int64), and the K/V moves (2, batch, slots): source and destination positions."""
+        for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
+            layers.commit(index, nodes)
+        self.cache.move_positions(moves[0], moves[1])
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
