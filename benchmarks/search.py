@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from stree.distill import TokenChunks, TrainConfig, Trainer  # noqa: E402
-from stree.search import BeamOptions, SearchConfig, tree_search  # noqa: E402
+from stree.search import BeamOptions, SearchConfig, tree_search, tree_search_batch  # noqa: E402
 from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +76,10 @@ STRATEGY_RUNS = {  # name -> SearchConfig overrides
     "ets (lb=1, ld=1, replay)": dict(strategy="ets", lambda_b=1.0, lambda_d=1.0, leaf_states="replay"),
     "ets (lb=1.5, ld=1, replay)": dict(strategy="ets", lambda_b=1.5, lambda_d=1.0, leaf_states="replay"),
     "ets (lb=2, ld=1, replay)": dict(strategy="ets", lambda_b=2.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=3, ld=1, replay)": dict(strategy="ets", lambda_b=3.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=4, ld=1, replay)": dict(strategy="ets", lambda_b=4.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=6, ld=1, replay)": dict(strategy="ets", lambda_b=6.0, lambda_d=1.0, leaf_states="replay"),
+    "ets (lb=8, ld=1, replay)": dict(strategy="ets", lambda_b=8.0, lambda_d=1.0, leaf_states="replay"),
     # stree's extensions: the node term in bytes (TreeMemory), softmax outcome weights
     "ets bytes (lb=1.5, ld=1, replay)": dict(strategy="ets", lambda_b=1.5, lambda_d=1.0, leaf_states="replay",
                                              ets_costs="bytes"),
@@ -135,21 +139,64 @@ def _shuffle_problems(stream, eos, rng):
     return [token for problem in problems for token in problem]
 
 
-def solve(policy, tokenizer, problem, index, overrides, width, seed, temperature):
-    """One search on one problem (problem `index` of the run, which seeds it): whether its answer is right, its stats
-    and its wall time."""
+def _verifier(tokenizer, problem):
     def verifier(prompt, steps):
         texts = [tokenizer.decode(s) for s in steps]
         return check_step(problem, texts[:-1], texts[-1])
+    return verifier
 
+
+def _config(tokenizer, max_steps, overrides, width, seed, temperature):
     # 48 characters: longer than any step line, worked ones included (at most 44 with values below 1000)
-    config = SearchConfig(width=width, max_steps=len(problem.ops) + 2, step_delimiter_ids=(tokenizer.newline_id,),
-                          eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=48, seed=seed + index,
-                          temperature=temperature, **overrides)
+    return SearchConfig(width=width, max_steps=max_steps, step_delimiter_ids=(tokenizer.newline_id,),
+                        eos_token_ids=(tokenizer.eos_token_id,), step_max_tokens=48, seed=seed,
+                        temperature=temperature, **overrides)
+
+
+def solve(policy, tokenizer, problem, index, overrides, width, seed, temperature):
+    """One search on one problem (problem `index` of the run, which seeds it): whether its answer is right, its stats
+    and its wall time."""
+    config = _config(tokenizer, len(problem.ops) + 2, overrides, width, seed + index, temperature)
     start = time.perf_counter()
-    result = tree_search(policy, tokenizer.encode(problem.text), verifier, config,
+    result = tree_search(policy, tokenizer.encode(problem.text), _verifier(tokenizer, problem), config,
                          answer_fn=lambda t: extract_answer(tokenizer.decode(t)))
     return result.answer == problem.results()[-1], result.stats, time.perf_counter() - start
+
+
+def solve_together(policy, tokenizer, problems, first, overrides, width, seed, temperature):
+    """Problems first, first + 1, ... of the run searched in one batch (tree_search_batch; each seeded as solve
+    seeds it alone, so the answers are the same): whether each answer is right, and the batch's peak held bytes
+    and wall time."""
+    if len({len(p.ops) for p in problems}) > 1:
+        raise ValueError("problems searched together share one max_steps: give them one operation count")
+    config = _config(tokenizer, len(problems[0].ops) + 2, overrides, width, seed, temperature)
+    start = time.perf_counter()
+    results = tree_search_batch(policy, [tokenizer.encode(p.text) for p in problems],
+                                [_verifier(tokenizer, p) for p in problems], config,
+                                answer_fn=lambda t: extract_answer(tokenizer.decode(t)),
+                                seeds=[seed + first + i for i in range(len(problems))])
+    seconds = time.perf_counter() - start
+    return ([r.answer == p.results()[-1] for r, p in zip(results, problems)],
+            max(r.stats["peak_held_bytes"] for r in results), seconds)
+
+
+def run_together(policy, tokenizer, problems, names, width, seed, temperature, together):
+    """Every strategy in `names`, the problems `together` at a time, interleaved batch by batch: one row per
+    (strategy, together) with accuracy, the mean over batches of a batch's peak held KiB, and problems/s."""
+    rows = []
+    for count in together:
+        runs = {name: [] for name in names}
+        for first in range(0, len(problems), count):
+            for name in names:
+                runs[name].append(solve_together(policy, tokenizer, problems[first:first + count], first,
+                                                 STRATEGY_RUNS[name], width, seed, temperature))
+        for name in names:
+            correct = [c for answers, _, _ in runs[name] for c in answers]
+            elapsed = sum(seconds for *_, seconds in runs[name])
+            rows.append(dict(strategy=name, together=count, accuracy=sum(correct) / len(correct),
+                             peak_batch_held_kib=sum(held for _, held, _ in runs[name]) / len(runs[name]) / 1024,
+                             problems_per_s=len(correct) / elapsed))
+    return rows
 
 
 def run(policy, tokenizer, problems, names, width, seed, temperature):
@@ -177,6 +224,31 @@ def summary(name, runs):
                 verifier_calls=mean("verifier_calls"), forward_passes=mean("forwards"))
 
 
+def plot_together(rows, png):
+    """Problems/s against the batch's peak held memory, one line per strategy over the batch sizes."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == name]
+        ax.plot([r["peak_batch_held_kib"] for r in mine], [r["problems_per_s"] for r in mine], marker="o", label=name)
+        for r in mine:
+            ax.annotate(str(r["together"]), (r["peak_batch_held_kib"], r["problems_per_s"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak held memory of a batch (KiB); labels: problems per batch")
+    ax.set_ylabel("problems / s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=list(SETTINGS), default="easy",
@@ -193,6 +265,9 @@ def main():
     parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/search-cpu.json; the PNG goes beside it)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument("--together", type=int, nargs="+",
+                        help="search the problems this many at a time in one batch (stree.search.tree_search_batch), "
+                             "for each count given: throughput against the batch's peak memory")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     if args.threads:
@@ -211,6 +286,21 @@ def main():
           f"{policy.config.num_hidden_layers} layers); {args.problems} problems of {ops} operations, width "
           f"{args.width}, temperature {args.temperature}")
     run(policy, tokenizer, problems[:1], args.strategies[:1], args.width, args.seed, args.temperature)  # warm-up
+    if args.together:
+        rows = run_together(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature,
+                            args.together)
+        print(f"{'strategy':>32} {'together':>9} {'accuracy':>9} {'batch held KiB':>15} {'problems/s':>11}")
+        for r in rows:
+            print(f"{r['strategy']:>32} {r['together']:>9} {r['accuracy']:>9.3f} {r['peak_batch_held_kib']:>15.1f} "
+                  f"{r['problems_per_s']:>11.2f}")
+        out = args.out or os.path.join(HERE, "results", f"search-cpu-{args.setting}-together.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
+                           temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
+        print(f"wrote {out}")
+        plot_together(rows, os.path.splitext(out)[0] + ".png")
+        return
     rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
     print(f"{'strategy':>32} {'accuracy':>9} {'tree KiB':>9} {'held KiB':>9} {'step tok':>9} {'s/problem':>10} "
           f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7}")

@@ -8,7 +8,7 @@ from loops import plain_vote
 from stree.models.rows import RowBatch, RowState
 from stree.models import tiny_model
 from stree.search import (ALLOCATIONS, SearchConfig, TreeMemory, candidate_generator, cluster_embeddings, ets_select,
-                          rebase_allocation, tree_search)
+                          rebase_allocation, tree_search, tree_search_batch)
 from test_search_speculative import hashed, one_thread, policy_model  # noqa: F401 (fixtures)
 
 
@@ -109,6 +109,41 @@ def test_every_strategy_on_batched_rows_equals_a_sequential_reference(policy_mod
                 got = [(t.key, t.steps, t.step_scores) for t in result.trajectories]
                 assert got == [(t["key"], t["steps"], t["scores"]) for t in want], (seed, dedup, leaf_states)
                 assert result.scores == [t["scores"][-1] for t in want] and result.answer == want_answer
+
+
+@pytest.mark.parametrize("strategy", sorted(ALLOCATIONS))
+def test_several_problems_in_one_batch_equal_the_reference_one_by_one(policy_model, strategy):
+    """tree_search_batch decodes problems of different prompt lengths and seeds together (each moving on to its next
+    level by itself): every problem's trajectories equal the plain reference's for that problem, and its own
+    counts (verifier calls, step tokens, forward passes it took part in, replays) equal those of searching it
+    alone; float64 policy, kept and replayed leaves."""
+    prompts, seeds = [[1, 2, 3], [7, 3, 5, 2, 6, 1], [2]], [0, 7, 3]
+    config = dict(strategy=strategy, width=6, max_steps=3, step_delimiter_ids=(4, 5), step_max_tokens=3,
+                  eos_token_ids=(0,), lambda_b=2.0)
+    wants = [reference_search(policy_model, p, hashed, SearchConfig(**config, seed=seed))
+             for p, seed in zip(prompts, seeds)]
+    for leaf_states in ("keep", "replay"):
+        results = tree_search_batch(policy_model, prompts, hashed, SearchConfig(**config, leaf_states=leaf_states),
+                                    seeds=seeds)
+        for i, (prompt, seed, want, result) in enumerate(zip(prompts, seeds, wants, results)):
+            got = [(t.key, t.steps, t.step_scores) for t in result.trajectories]
+            assert got == [(t["key"], t["steps"], t["scores"]) for t in want], (leaf_states, i)
+            alone = tree_search(policy_model, prompt, hashed, SearchConfig(**config, seed=seed,
+                                                                           leaf_states=leaf_states)).stats
+            for key in ("verifier_calls", "steps", "step_tokens", "forwards", "replayed", "replay_tokens",
+                        "peak_tree_bytes"):
+                assert result.stats[key] == alone[key], (leaf_states, i, key)
+            assert result.stats["peak_held_bytes"] >= max(r.stats["peak_tree_bytes"] for r in results) > 0
+
+
+def test_search_batch_rejects_bad_input(policy_model):
+    config = SearchConfig(strategy="rebase", width=2, max_steps=1, step_delimiter_ids=(4,))
+    with pytest.raises(ValueError, match="level-synchronous"):
+        tree_search_batch(policy_model, [[1]], hashed, SearchConfig(strategy="spec_beam", width=4, beam_width=2))
+    with pytest.raises(ValueError, match="as many verifiers and seeds"):
+        tree_search_batch(policy_model, [[1], [2]], [hashed], config)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        tree_search_batch(policy_model, [], hashed, config)
 
 
 def tensors_under(obj, seen=None):

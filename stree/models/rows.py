@@ -137,6 +137,7 @@ class RowBatch:
                     torch.tensor([len(tokens)], device=model.device), out.logits[:, -1], out.hidden_states[-1][:, -1])
         root = batch.row(0)
         batch.select(torch.zeros(0, dtype=torch.long))
+        batch._cut_columns(0)  # no rows, no columns: a row added to a copy (extend's side batch) has no padding
         batch._empty = (copy.deepcopy(batch.cache), batch.mask.clone())
         return batch, root
 
@@ -225,6 +226,12 @@ class RowBatch:
         """Bytes of cache state really kept: the batch's tensors plus every snapshot it made that is still alive
         and not released."""
         return self.nbytes() + sum(s.nbytes() for s in list(self.snapshots))
+
+    def _cut_columns(self, width):
+        """Cut every K/V tensor and the mask to their first `width` columns (the batch's rows must fit in them)."""
+        for slot in self.kv_slots:
+            slot.put(slot.get()[:, :, :width])
+        self.mask = self.mask[:, :width]
 
     def _widen(self, width):
         extra = width - self.mask.shape[1]

@@ -8,12 +8,12 @@ from .batched import StepDecoder, candidate_generator
 from .beam import BeamOptions
 from .clusters import cluster_embeddings
 from .lazy import VerificationQueue
-from .loop import ALLOCATIONS, STRATEGIES, SearchConfig, tree_search
+from .loop import ALLOCATIONS, STRATEGIES, SearchConfig, tree_search, tree_search_batch
 from .policy import Policy
 from .tree import SearchResult, Trajectory, TreeMemory
 from .verifiers import PRMVerifier, score_batch
 
 __all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",
            "Policy", "STRATEGIES", "ALLOCATIONS", "SearchConfig", "BeamOptions", "SearchResult", "Trajectory",
-           "TreeMemory", "tree_search", "PRMVerifier", "score_batch", "RowBatch", "RowState", "StepDecoder",
+           "TreeMemory", "tree_search", "tree_search_batch", "PRMVerifier", "score_batch", "RowBatch", "RowState", "StepDecoder",
            "candidate_generator", "VerificationQueue"]

@@ -13,12 +13,16 @@ continues) to feed on top of its state (the leaf's parent's snapshot) before the
 forward pass over all of them (RowBatch.extend), and the leaf's released state gets the result back (the leaf's
 children are rebuilt from it next time).
 
+Branches of several searches (problems) may share one decoder: each request names its `owner`, and the decoder
+counts every owner's work apart (owner_stats).
+
     decoder = StepDecoder(policy, batch)
     decoder.start([Request(root_state, [Candidate(key, candidate_generator(seed, key), root) for key in keys])])
     while decoder.branches:
         for branch, state in decoder.step():   # the branches whose step ended in this forward pass
             ...
 """
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,7 @@ class Branch:
     """Candidates decoded in one batch row: they start from one state and drew the same tokens so far."""
     candidates: list
     tokens: list = field(default_factory=list)   # the step so far
+    owner: int = 0                               # the search it belongs to
 
     @property
     def parent(self):
@@ -58,19 +63,22 @@ class Request:
     candidates: list
     forced: tuple = ()
     rebuilds: RowState = None
+    owner: int = 0
 
 
 class StepDecoder:
     """Branches of steps decoded together on one RowBatch. stats: forwards (model passes: batched decode passes and
     replays), step_tokens (row-tokens drawn and fed, after dedup), replayed (leaves rebuilt, one pass each) and
     replay_tokens (the tokens fed to rebuild them), peak_held_bytes (RowBatch.held_bytes after each decode pass,
-    when the ended rows' snapshots and the batch both exist)."""
+    when the ended rows' snapshots and the batch both exist). owner_stats(owner): the same counts for one owner's
+    branches (forwards: the passes it had a branch in, and its replays), peak_held_bytes being the whole batch's."""
 
     def __init__(self, policy, batch, *, dedup=True, keep_states=True):
         self.policy, self.batch = policy, batch
         self.dedup, self.keep_states = dedup, keep_states
         self.branches = []                       # Branch per batch row
         self.stats = dict(forwards=0, step_tokens=0, replayed=0, replay_tokens=0, peak_held_bytes=batch.held_bytes())
+        self._owners = {}                        # owner -> Counter of its forwards, step_tokens, replays
 
     def start(self, requests):
         """Add one row per request (its state is copied: the caller may release it afterwards)."""
@@ -79,12 +87,25 @@ class StepDecoder:
             if r.forced:
                 _fill(r.rebuilds, self.batch.extend(r.state, r.forced))
                 self.batch.snapshots.add(r.rebuilds)
-                self.stats["forwards"] += 1
-                self.stats["replayed"] += 1
-                self.stats["replay_tokens"] += len(r.forced)
+                self._count(r.owner, forwards=1, replayed=1, replay_tokens=len(r.forced))
             states.append(r.rebuilds if r.forced else r.state)
         self.batch.add(states)
-        self.branches += [Branch(list(r.candidates)) for r in requests]
+        self.branches += [Branch(list(r.candidates), owner=r.owner) for r in requests]
+
+    def owners(self):
+        """The owners that have branches in the batch."""
+        return {b.owner for b in self.branches}
+
+    def owner_stats(self, owner):
+        """stats counted over `owner`'s branches alone (peak_held_bytes: the whole batch's)."""
+        counts = self._owners.get(owner, Counter())
+        return {key: counts[key] if key != "peak_held_bytes" else value for key, value in self.stats.items()}
+
+    def _count(self, owner, **counts):
+        """Add counts to the decoder's stats and to `owner`'s."""
+        for key, n in counts.items():
+            self.stats[key] += n
+        self._owners.setdefault(owner, Counter()).update(counts)
 
     def drop(self, doomed):
         """Drop the branches for which doomed(branch) holds."""
@@ -106,10 +127,12 @@ class StepDecoder:
                 token = token if self.dedup else token[0]
                 index.append(i)
                 feed.append(token)
-                grown.append(Branch(candidates, branch.tokens + [token]))
+                grown.append(Branch(candidates, branch.tokens + [token], branch.owner))
         self.batch.select(torch.tensor(index, dtype=torch.long))
         self.batch.advance(feed)
         self.stats["forwards"] += 1
+        for owner, rows in Counter(b.owner for b in grown).items():
+            self._owners.setdefault(owner, Counter()).update(forwards=1, step_tokens=rows)
         self.stats["step_tokens"] += len(feed)
         ended, keep = [], []
         for i, branch in enumerate(grown):

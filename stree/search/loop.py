@@ -12,7 +12,7 @@ speculative (stree.search.beam, options in BeamOptions).
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -149,34 +149,84 @@ class SearchContext:
 
 
 def level_search(policy, prompt, verifier, config, answer_fn, embedder=None):
-    """The level-synchronous search (config.strategy in ALLOCATIONS); see tree_search."""
+    """The level-synchronous search (config.strategy in ALLOCATIONS) of one problem; see tree_search."""
+    return level_searches(policy, [prompt], [verifier], [config], answer_fn, embedder)[0]
+
+
+def level_searches(policy, prompts, verifiers, configs, answer_fn, embedder=None):
+    """Level-synchronous searches of several problems decoded together: one RowBatch, one forward pass per token
+    for the live branches of every problem. Each problem moves on by itself: once all branches of its level have
+    ended it scores them, chooses, and starts its next level while the others keep decoding. The configs must
+    agree on how steps are decoded (dedup, leaf_states); a problem's draws depend only on its own seed and keys,
+    so each result is the one the problem gets searched alone (up to the float rounding of batched rows).
+    Returns one SearchResult per problem; stats["peak_held_bytes"] is the whole batch's."""
     start = time.perf_counter()
-    batch, root_state = policy.prefill(prompt)
+    roots = [policy.prefill(prompt) for prompt in prompts]
+    batch = roots[0][0]
+    for _, state in roots[1:]:  # their own (empty) batches go; their prompts' states count in this one
+        batch.snapshots.add(state)
+    config = configs[0]
+    decoder = StepDecoder(policy, batch, dedup=config.dedup, keep_states=config.leaf_states != "replay")
+    searches = {owner: _level_search(prompt, verifier, c, state, policy.eos, embedder, owner)
+                for owner, (prompt, verifier, c, (_, state)) in enumerate(zip(prompts, verifiers, configs, roots))}
+    finals, ended = {}, {}
+
+    def resume(owner, sent):
+        """Run search `owner` on from `sent` (its level's ended branches) until it starts a level that has branches
+        to decode, or finishes."""
+        while True:
+            try:
+                requests, copied = searches[owner].send(sent)
+            except StopIteration as stop:
+                finals[owner] = stop.value
+                return
+            decoder.start(requests)
+            for trajectory in copied:  # the batch holds copies of their states now
+                trajectory.state.release()
+            if owner in decoder.owners():
+                ended[owner] = []
+                return
+            sent = []
+
+    for owner in searches:
+        resume(owner, None)
+    while decoder.branches:
+        for branch, state in decoder.step():
+            ended[branch.owner].append((branch, state))
+        decoding = decoder.owners()
+        for owner in [o for o in ended if o not in decoding]:
+            resume(owner, ended.pop(owner))
+    results = []
+    for owner, c in enumerate(configs):
+        final, stats = finals[owner]
+        stats.update(decoder.owner_stats(owner))
+        results.append(search_result(final, c.aggregation, answer_fn, stats, start))
+    return results
+
+
+def _level_search(prompt, verifier, config, root_state, eos, embedder, owner):
+    """One problem's level-synchronous search as a generator: for each level it yields (decoder requests, the
+    trajectories whose states the batch copies with them) and is sent back the (branch, state) pairs of those
+    requests' ended branches; it returns (the final trajectories, stats)."""
     root = Trajectory(0, None, [], [], root_state)
     memory = TreeMemory(root_state)
     context = SearchContext(memory, embedder)
     replay = config.leaf_states == "replay"
-    decoder = StepDecoder(policy, batch, dedup=config.dedup, keep_states=not replay)
     expansions = [(root, config.width)]
     finished, live, next_node = [], [], 1
     stats = dict(verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
     previous_parents = []  # replay: the nodes expanded last step: their snapshots rebuild this step's parents
     for step in range(config.max_steps):
         parents = [parent for parent, count in expansions if count > 0]
-        decoder.start(_requests(expansions, config.seed, replay))
-        for parent in (previous_parents if replay else parents):  # the batch holds copies now
-            parent.state.release()
+        ended = yield _requests(expansions, config.seed, replay, owner), (previous_parents if replay else parents)
         previous_parents = parents
-        ended = []
-        while decoder.branches:
-            ended += decoder.step()
         children = []
         for (parent_node, tokens), group in _nodes(ended):
             head = group[0][0].parent
             steps = head.steps + [list(tokens)]
             score = verifier(prompt, steps)  # copies of a node (one step of one parent node) share its score
             stats["verifier_calls"] += 1
-            done = tokens[-1] in policy.eos
+            done = tokens[-1] in eos
             state = group[0][1]
             for candidate in sorted((c for branch, _ in group for c in branch.candidates), key=lambda c: c.key):
                 p = candidate.parent
@@ -197,14 +247,13 @@ def level_search(policy, prompt, verifier, config, answer_fn, embedder=None):
         for t in live:
             if t.node not in chosen:  # nothing will fork from it
                 t.state.release()
-    stats.update(decoder.stats)
-    return search_result(finished or live, config.aggregation, answer_fn, stats, start)
+    return finished or live, stats
 
 
-def _requests(expansions, seed, replay):
+def _requests(expansions, seed, replay, owner=0):
     """One decoder request per search-tree node to expand: its copies' candidates (trajectory t's j-th continuation
     has key t.key + (j,)) share the node's state. replay: a non-root node's state is rebuilt from its parent's
-    snapshot by feeding its step first."""
+    snapshot by feeding its step first. owner: the search the requests belong to."""
     by_node = {}
     for t, count in expansions:
         keys = [t.key + (j,) for j in range(count)]
@@ -214,9 +263,9 @@ def _requests(expansions, seed, replay):
         if not candidates:
             continue
         if replay and t.parent is not None:
-            requests.append(Request(t.parent.state, candidates, tuple(t.steps[-1]), t.state))
+            requests.append(Request(t.parent.state, candidates, tuple(t.steps[-1]), t.state, owner))
         else:
-            requests.append(Request(t.state, candidates))
+            requests.append(Request(t.state, candidates, owner=owner))
     return requests
 
 
@@ -236,6 +285,38 @@ def _nodes(ended):
 STRATEGIES = {**{name: level_search for name in ALLOCATIONS}, "spec_beam": spec_beam_search}
 
 
+def _policy(model, config):
+    return Policy(model, temperature=config.temperature, top_p=config.top_p,
+                  step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
+                  eos_token_ids=config.eos_token_ids)
+
+
+def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedder=None, seeds=None):
+    """Search several problems at once: their trajectories share one batch, one forward pass per token for every
+    live branch of every problem (what serving many problems on one accelerator does; a strategy that keeps less
+    state fits more problems in the same memory). Level-synchronous strategies only (not spec_beam).
+
+    prompts: a list of prompt token ids; verifiers: one verifier per prompt, or one for all; config: the
+    SearchConfig of every problem; seeds: one seed per problem (default config.seed for each, so problem i gets
+    the result tree_search(model, prompts[i], verifiers[i], config) gets, up to float rounding). Returns a list of
+    SearchResults; stats as tree_search's, counted per problem, except peak_held_bytes (the whole batch's) and
+    wall_time (the whole call's)."""
+    if config.strategy not in ALLOCATIONS:
+        raise ValueError(f"tree_search_batch runs the level-synchronous strategies {sorted(ALLOCATIONS)}, got "
+                         f"{config.strategy!r}")
+    prompts = [torch.as_tensor(p).flatten().tolist() for p in prompts]
+    if not prompts:
+        raise ValueError("tree_search_batch needs at least one prompt")
+    verifiers = list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers] * len(prompts)
+    seeds = [config.seed] * len(prompts) if seeds is None else list(seeds)
+    if len(verifiers) != len(prompts) or len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
+                         f"{len(seeds)}")
+    configs = [replace(config, seed=seed) for seed in seeds]
+    answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
+    return level_searches(_policy(model, config), prompts, verifiers, configs, answer_fn, embedder)
+
+
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
     """Search with `model` as policy. answer_fn(tokens) -> answer or None extracts a trajectory's final answer
     (default: its last 8 tokens as a tuple). embedder(tokens) -> vector gives ETS's diversity embeddings (default:
@@ -251,9 +332,7 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
       peak_held_bytes  the most bytes of cache state this engine really kept: the padded batch plus every snapshot
                        alive (RowBatch.held_bytes).
     spec_beam documents its own stats (stree.search.beam.spec_beam_search)."""
-    policy = Policy(model, temperature=config.temperature, top_p=config.top_p,
-                    step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
-                    eos_token_ids=config.eos_token_ids)
+    policy = _policy(model, config)
     answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
     prompt = torch.as_tensor(prompt_ids).flatten().tolist()
     return STRATEGIES[config.strategy](policy, prompt, verifier, config, answer_fn, embedder)
