@@ -13,6 +13,7 @@ The tree's structure (ancestors, conv windows, depths) is kept on the host (Host
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
 (one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place.
 """
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,15 @@ LOGIT_SCALE = {"granitemoehybrid": lambda model: 1.0 / model.config.logits_scali
 DEFAULT_RESERVE = 256
 # With fixed pass shapes, attention buffers hold a multiple of this many positions.
 CAPACITY_STEP = 512
+
+
+def _own_copy(method):
+    """The bound method with a code object of its own. Dynamo keeps its graphs, their guards and what it has learnt
+    about which sizes vary per code object: with one shared by every TreeModel, a second model's other slot count
+    turned later compilations dynamic (slower kernels) and every call walked the other models' guards."""
+    f = method.__func__
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(copy, method.__self__)
 
 
 @dataclass
@@ -99,7 +109,7 @@ class TreeModel:
         self.nodes, self.pass_width = nodes, pass_width
         self.cache = None
         self.tree = None       # HostTree of the uncommitted tree
-        self._index = None     # its TreeIndex as of the last pass
+        self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
         self._pass = None
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
@@ -146,7 +156,7 @@ class TreeModel:
                                      "mixer kind")
                 layers = kinds.pop()([self.mixers[i] for i in group.layers], group)
                 self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
-        self.tree = self._index = None
+        self.tree = self._structure = None
         return logits[:, -1]
 
     def compile(self, **options):
@@ -158,19 +168,19 @@ class TreeModel:
         if self.device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")
             self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
-        # Every TreeModel compiles the same function: its shapes (a target's, a draft's, ...) each take one entry of
-        # dynamo's per-function cache, whose default of 8 entries a few pairs would exhaust.
+        # Sequential kinds unroll their levels into the graph (one graph per tree depth met), which can pass dynamo's
+        # default limit of 8 graphs per function.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         # Checking every module attribute on every call costs more than a small model's pass (1.8 ms of a 15 ms
         # pass measured); decoding never replaces a module's attributes, so modules are not guarded.
         extra = dict(options.pop("options", {}))
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
-        self.run = torch.compile(self._run, options=extra, **options)
-        # The commit reads the last pass's outputs (its TreeIndex), which live in a CUDA graph's memory pool; it is
-        # compiled without CUDA graphs of its own (inductor still fuses its kernels into a few).
+        self.run = torch.compile(_own_copy(self._run), options=extra, **options)
+        # The commit writes the buffers the passes' CUDA graphs read; it is compiled without CUDA graphs of its own
+        # (inductor still fuses its kernels into a few).
         commit_options = {k: v for k, v in options.items() if not (k == "mode" and v == "reduce-overhead")}
-        self.commit_run = torch.compile(self._commit, options=dict(extra), **commit_options)
+        self.commit_run = torch.compile(_own_copy(self._commit), options=dict(extra), **commit_options)
         return self
 
     @torch.no_grad()
@@ -241,7 +251,8 @@ class TreeModel:
             for i, forward in self._forwards.items():
                 self.mixers[i].forward = forward
             try:
-                logits, self._index = self.run(tokens, inputs, head_rows.to(device))
+                logits = self.run(tokens, inputs, head_rows.to(device))
+                self._structure = (inputs["parents"], inputs["mask"], inputs["windows"])
             finally:
                 for mixer in self.mixers.values():
                     del mixer.forward
@@ -269,8 +280,8 @@ class TreeModel:
         return flat.split([len(level) for level in levels])
 
     def _run(self, tokens, inputs, head_rows):
-        """The device part of a pass (no host sync, shapes fixed by the slots and pass width). Returns
-        (logits (batch, len(head_rows), vocab), the TreeIndex)."""
+        """The device part of a pass (no host sync, shapes fixed by the slots and pass width). Returns logits
+        (batch, len(head_rows), vocab)."""
         cache, rows = self.cache, inputs["rows"]
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         kwargs = dict(position_ids=inputs["positions"])
@@ -288,7 +299,7 @@ class TreeModel:
             cache.begin_pass(inputs["length"] + rows)
         self._pass = TreePass(index, rows, inputs["levels"])
         hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
-        return self.logits(hidden.index_select(1, head_rows)), index
+        return self.logits(hidden.index_select(1, head_rows))
 
     def _mark_static(self):
         """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
@@ -339,17 +350,20 @@ class TreeModel:
                                  np.tile(destinations, cache.batch)])
         flat = torch.from_numpy(packed).to(self.device)
         moves = flat[cache.batch:].view(2, cache.batch, width)
-        self.commit_run(self._index, flat[:cache.batch], moves)
+        self.commit_run(*self._structure, flat[:cache.batch], moves)
         cache.length += n
-        self.tree = self._index = None
+        self.tree = self._structure = None
 
-    def _commit(self, index, nodes, moves):
+    def _commit(self, parents, mask, windows, nodes, moves):
         """The device part of a commit (no host sync; fixed shapes): every state group to path(nodes) ((batch,)
-        int64), and the K/V moves (2, batch, slots): source and destination positions."""
+        int64) of the tree whose structure the last pass had, and the K/V moves (2, batch, slots): source and
+        destination positions. (Only those fixed-shape tensors come in: the pass's TreeIndex also caches what
+        depended on its rows, which would make the commit's graph depend on them.)"""
+        index = TreeIndex.prebuilt(parents, mask, windows)
         for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
             layers.commit(index, nodes)
         self.cache.move_positions(moves[0], moves[1])
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
-        self.tree = self._index = None
+        self.tree = self._structure = None
