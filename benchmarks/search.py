@@ -224,16 +224,55 @@ def summary(name, runs):
                 verifier_calls=mean("verifier_calls"), forward_passes=mean("forwards"))
 
 
-def plot_together(rows, png):
-    """Problems/s against the batch's peak held memory, one line per strategy over the batch sizes."""
+def _figure():
+    """(figure, axes) of a 6 x 4 inch plot on matplotlib's Agg backend, or None (with a message) without
+    matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return None
+    return plt.subplots(figsize=(6, 4))
+
+
+def _save(fig, png):
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+def write_results(out, args, ops, rows):
+    """The rows and the run's settings as JSON at `out`."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
+                       temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
+    print(f"wrote {out}")
+
+
+def plot_accuracy(rows, png):
+    """Accuracy against peak retained-tree memory, one point per strategy."""
+    figure = _figure()
+    if figure is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure
+    for r in rows:
+        ax.scatter(r["peak_tree_kib"], r["accuracy"])
+        ax.annotate(r["strategy"], (r["peak_tree_kib"], r["accuracy"]), fontsize=8)
+    ax.set_xlabel("peak retained tree (KiB)")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    _save(fig, png)
+
+
+def plot_together(rows, png):
+    """Problems/s against the batch's peak held memory, one line per strategy over the batch sizes."""
+    figure = _figure()
+    if figure is None:
+        return
+    fig, ax = figure
     for name in dict.fromkeys(r["strategy"] for r in rows):
         mine = [r for r in rows if r["strategy"] == name]
         ax.plot([r["peak_batch_held_kib"] for r in mine], [r["problems_per_s"] for r in mine], marker="o", label=name)
@@ -244,9 +283,7 @@ def plot_together(rows, png):
     ax.set_ylabel("problems / s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    _save(fig, png)
 
 
 def main():
@@ -294,11 +331,7 @@ def main():
             print(f"{r['strategy']:>32} {r['together']:>9} {r['accuracy']:>9.3f} {r['peak_batch_held_kib']:>15.1f} "
                   f"{r['problems_per_s']:>11.2f}")
         out = args.out or os.path.join(HERE, "results", f"search-cpu-{args.setting}-together.json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
-                           temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
-        print(f"wrote {out}")
+        write_results(out, args, ops, rows)
         plot_together(rows, os.path.splitext(out)[0] + ".png")
         return
     rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
@@ -311,29 +344,8 @@ def main():
               f"{r['forward_passes']:>7.1f}")
     out = args.out or os.path.join(HERE, "results", "search-cpu.json" if args.setting == "easy" else
                                    f"search-cpu-{args.setting}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
-                       temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
-    print(f"wrote {out}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        ax.scatter(r["peak_tree_kib"], r["accuracy"])
-        ax.annotate(r["strategy"], (r["peak_tree_kib"], r["accuracy"]), fontsize=8)
-    ax.set_xlabel("peak retained tree (KiB)")
-    ax.set_ylabel("accuracy")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png = os.path.splitext(out)[0] + ".png"
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    write_results(out, args, ops, rows)
+    plot_accuracy(rows, os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":
