@@ -19,6 +19,8 @@ Two settings (--setting):
     python benchmarks/search.py --problems 10 --width 4
     python benchmarks/search.py --width 16 --strategies "sync beam" "sync beam (CD)" "spec beam (EP)" \
         "spec beam (EP+CD)" --out benchmarks/results/search-cpu-w16.json
+    python benchmarks/search.py --setting hard --strategies rebase "ets (lb=6, ld=1, replay)" --together 1 4 16
+                                                      # several problems per batch: throughput against batch memory
 
 The policies were trained on solutions whose step lines are shown worked (longer) half of the time, so their steps
 vary in length within a level, as reasoning steps do: the case speculative execution is for.

@@ -15,5 +15,5 @@ from .verifiers import PRMVerifier, score_batch
 
 __all__ = ["rebase_allocation", "ets_select", "aggregate_step_scores", "weighted_majority_vote", "cluster_embeddings",
            "Policy", "STRATEGIES", "ALLOCATIONS", "SearchConfig", "BeamOptions", "SearchResult", "Trajectory",
-           "TreeMemory", "tree_search", "tree_search_batch", "PRMVerifier", "score_batch", "RowBatch", "RowState", "StepDecoder",
-           "candidate_generator", "VerificationQueue"]
+           "TreeMemory", "tree_search", "tree_search_batch", "PRMVerifier", "score_batch", "RowBatch", "RowState",
+           "StepDecoder", "candidate_generator", "VerificationQueue"]

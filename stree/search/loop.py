@@ -150,22 +150,22 @@ class SearchContext:
 
 def level_search(policy, prompt, verifier, config, answer_fn, embedder=None):
     """The level-synchronous search (config.strategy in ALLOCATIONS) of one problem; see tree_search."""
-    return level_searches(policy, [prompt], [verifier], [config], answer_fn, embedder)[0]
+    return level_searches(policy, [prompt], [verifier], config, [config.seed], answer_fn, embedder)[0]
 
 
-def level_searches(policy, prompts, verifiers, configs, answer_fn, embedder=None):
+def level_searches(policy, prompts, verifiers, config, seeds, answer_fn, embedder=None):
     """Level-synchronous searches of several problems decoded together: one RowBatch, one forward pass per token
     for the live branches of every problem. Each problem moves on by itself: once all branches of its level have
-    ended it scores them, chooses, and starts its next level while the others keep decoding. The configs must
-    agree on how steps are decoded (dedup, leaf_states); a problem's draws depend only on its own seed and keys,
-    so each result is the one the problem gets searched alone (up to the float rounding of batched rows).
+    ended it scores them, chooses, and starts its next level while the others keep decoding. Problem i runs
+    `config` with seed seeds[i]; its draws depend only on that seed and its candidates' keys, so each result is the
+    one the problem gets searched alone (up to the float rounding of batched rows).
     Returns one SearchResult per problem; stats["peak_held_bytes"] is the whole batch's."""
     start = time.perf_counter()
     roots = [policy.prefill(prompt) for prompt in prompts]
     batch = roots[0][0]
     for _, state in roots[1:]:  # their own (empty) batches go; their prompts' states count in this one
         batch.snapshots.add(state)
-    config = configs[0]
+    configs = [replace(config, seed=seed) for seed in seeds]
     decoder = StepDecoder(policy, batch, dedup=config.dedup, keep_states=config.leaf_states != "replay")
     searches = {owner: _level_search(prompt, verifier, c, state, policy.eos, embedder, owner)
                 for owner, (prompt, verifier, c, (_, state)) in enumerate(zip(prompts, verifiers, configs, roots))}
@@ -197,10 +197,10 @@ def level_searches(policy, prompts, verifiers, configs, answer_fn, embedder=None
         for owner in [o for o in ended if o not in decoding]:
             resume(owner, ended.pop(owner))
     results = []
-    for owner, c in enumerate(configs):
+    for owner in range(len(prompts)):
         final, stats = finals[owner]
         stats.update(decoder.owner_stats(owner))
-        results.append(search_result(final, c.aggregation, answer_fn, stats, start))
+        results.append(search_result(final, config.aggregation, answer_fn, stats, start))
     return results
 
 
@@ -312,9 +312,8 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
     if len(verifiers) != len(prompts) or len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
                          f"{len(seeds)}")
-    configs = [replace(config, seed=seed) for seed in seeds]
     answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
-    return level_searches(_policy(model, config), prompts, verifiers, configs, answer_fn, embedder)
+    return level_searches(_policy(model, config), prompts, verifiers, config, seeds, answer_fn, embedder)
 
 
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
