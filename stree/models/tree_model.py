@@ -13,6 +13,7 @@ The tree's structure (ancestors, conv windows, depths) is kept on the host (Host
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
 (one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place.
 """
+import itertools
 import types
 from dataclasses import dataclass, field
 
@@ -51,12 +52,20 @@ DEFAULT_RESERVE = 256
 CAPACITY_STEP = 512
 
 
+_copies = itertools.count()
+
+
 def _own_copy(method):
-    """The bound method with a code object of its own. Dynamo keeps its graphs, their guards and what it has learnt
-    about which sizes vary per code object: with one shared by every TreeModel, a second model's other slot count
-    turned later compilations dynamic (slower kernels) and every call walked the other models' guards."""
+    """The bound method with a code object of its own, under a name of its own. Dynamo keeps its graphs and guards
+    per code object, and what it has learnt about which sizes vary per (file, line, name) of the code: with one
+    function shared by every TreeModel, one model's other slot count or node count made another model's first
+    compilation dynamic (measured: the autoregressive loop's compiled commit 0.6 -> 7.6 ms once a tree model had
+    compiled first), and every call walked the other models' guards."""
     f = method.__func__
-    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    n = next(_copies)
+    name = f"{f.__name__}_{n}"
+    code = f.__code__.replace(co_name=name, co_qualname=f"{f.__qualname__}_{n}")
+    copy = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
     return types.MethodType(copy, method.__self__)
 
 
