@@ -98,12 +98,14 @@ def spec_beam(dedup=True, **options):
 
 
 STRATEGY_RUNS.update({  # strategy "spec_beam" (stree.search.beam); CD = dedup, EP = early pruning, LV = lazy
-    # verification, SC = its sibling-completion flush
+    # verification, SC = its sibling-completion flush; "ties: first" = SpecScale's literal perfect-score stop
+    # (perfect_ties="first_verified"; the others are exact: the same survivors as synchronous beam)
     "sync beam": spec_beam(dedup=False),
     "sync beam (CD)": spec_beam(),
     "spec beam (naive)": spec_beam(dedup=False, speculative=True),
     "spec beam (EP)": spec_beam(dedup=False, speculative=True, early_pruning=True),
     "spec beam (EP+CD)": spec_beam(speculative=True, early_pruning=True),
+    "spec beam (EP+CD, ties: first)": spec_beam(speculative=True, early_pruning=True, perfect_ties="first_verified"),
     "spec beam (EP+CD+LV)": spec_beam(speculative=True, early_pruning=True, lazy_verification=True),
     "spec beam (EP+CD+LV+SC)": spec_beam(speculative=True, early_pruning=True, lazy_verification=True,
                                          verify_sibling_completion=True),

@@ -173,9 +173,17 @@ def test_perfect_scores_close_a_level_early(policy_model):
     def perfect(prompt, steps):
         return 1.0
     naive, _, _ = run_beam(policy_model, beam_config(speculative=True, seed=2), perfect)
-    pruning, completed, _ = run_beam(policy_model, beam_config(speculative=True, early_pruning=True, seed=2), perfect)
+    _, _, want = run_beam(policy_model, beam_config(seed=2), perfect)  # synchronous: every tie goes by key
+    pruning, completed, survivors = run_beam(policy_model, beam_config(speculative=True, early_pruning=True, seed=2),
+                                             perfect)
     assert pruning.queue.calls < naive.queue.calls and pruning.stats["step_tokens"] < naive.stats["step_tokens"]
     assert completed and all(t.step_scores == [1.0] * len(t.steps) for t in completed)
+    assert survivors == want
+    # SpecScale's literal rule stops a level at the first k perfect candidates: less work, other survivors
+    first, completed, survivors = run_beam(policy_model, beam_config(speculative=True, early_pruning=True, seed=2,
+                                                                     perfect_ties="first_verified"), perfect)
+    assert first.stats["step_tokens"] < pruning.stats["step_tokens"] and first.queue.calls <= pruning.queue.calls
+    assert completed and survivors != want
 
 
 def test_lazy_verification_batches_requests_and_keeps_scores(policy_model):
@@ -253,12 +261,15 @@ def reference_beam(model, prompt, verifier, config):
 
 
 @pytest.mark.parametrize("seed", [0, 3, 4])
-@pytest.mark.parametrize("verifier", [hashed, salted(1), lambda prompt, steps: len(steps[-1]) % 3 / 4],
-                         ids=["hashed", "salted", "ties"])
+@pytest.mark.parametrize("verifier", [hashed, salted(1), lambda prompt, steps: len(steps[-1]) % 3 / 4,
+                                      lambda prompt, steps: 1.0 if len(steps[-1]) % 2 else 0.25],
+                         ids=["hashed", "salted", "ties", "perfect-ties"])
 def test_speculative_beam_with_early_pruning_equals_a_plain_reference_beam_search(policy_model, seed, verifier):
     """Speculative beam search with early pruning (with and without dedup, lazy verification and sibling
     completion) keeps at every level the top-k of an independent plain beam search over the same candidates, and
-    completes the same trajectories; the "ties" verifier scores many candidates equally (ties go by key)."""
+    completes the same trajectories; the "ties" verifier scores many candidates equally (ties go by key), the
+    "perfect-ties" one gives many the maximum score, so levels close early (only candidates that k perfect ones
+    with smaller keys outrank are dropped unverified)."""
     config = beam_config(seed=seed, max_steps=4, width=6, beam_width=2)
     want, want_completed = reference_beam(policy_model, [1, 2, 3], verifier, config)
     for switches in [dict(dedup=False), dict(), dict(lazy_verification=True, verify_sibling_completion=True,
@@ -329,3 +340,7 @@ def test_bad_config():
         BeamOptions(lazy_verification=True)
     with pytest.raises(ValueError, match="verify_token_budget"):
         BeamOptions(speculative=True, verify_token_budget=0)
+    with pytest.raises(ValueError, match="early_pruning=True"):
+        BeamOptions(speculative=True, perfect_ties="first_verified")
+    with pytest.raises(ValueError, match="perfect_ties must be one of"):
+        BeamOptions(speculative=True, early_pruning=True, perfect_ties="first")

@@ -8,7 +8,8 @@ search ends when a level has no live survivor. The answer is the weighted majori
 Steps are decoded by stree.search.batched.StepDecoder, where every candidate has a key, its sibling indices from
 the root, and its own random generator seeded from that key: what a candidate draws depends on who it is, not on
 when it is decoded. So the switches below (BeamOptions, and SearchConfig.dedup) change the schedule and the work,
-never the candidates (up to float rounding of batched logits), and runs can be compared exactly.
+never the candidates (up to float rounding of batched logits; perfect_ties="first_verified" is the one exception),
+and runs can be compared exactly.
 
 - synchronous (speculative=False): a level's candidates are decoded together; when all have finished their step
   they are verified in one batch and the level's top-k are expanded. Decode batches shrink as rows finish.
@@ -17,8 +18,12 @@ never the candidates (up to float rounding of batched logits), and runs can be c
   subtrees) once its whole membership is known and decided.
 - early_pruning: a verified candidate is dropped as soon as k verified candidates of its level outrank it that are
   sure to be in the level whenever it is (their ancestors off its own path are survivors of closed levels), so it
-  never drops one of the final top-k. And once k such candidates have the maximum score (1.0), the level's
-  unverified candidates are dropped (ties at the maximum go to those verified first).
+  never drops one of the final top-k. An unverified candidate scores at most the maximum (1.0), so it is dropped
+  once k such candidates with the maximum score have smaller keys (perfect_ties="key": exact, the same top-k as
+  synchronous beam). perfect_ties="first_verified" is SpecScale's literal rule: once k such candidates have the
+  maximum score, every unverified candidate of the level is dropped, so ties at the maximum go to those verified
+  first, i.e. to short steps; more work is saved, but the survivors differ from synchronous beam's when many
+  candidates score the maximum (with a checking program as verifier that cost accuracy: README).
 - dedup (SearchConfig.dedup): siblings from one state share one row (one forward per token) until their draws
   differ; off, every sibling gets its own row.
 - lazy_verification: requests wait in a VerificationQueue for verify_token_budget tokens or verify_max_deferrals
@@ -35,6 +40,7 @@ from .lazy import VerificationQueue
 from .tree import Trajectory, TreeMemory, search_result
 
 MAX_SCORE = 1.0
+PERFECT_TIES = ("key", "first_verified")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class BeamOptions:
     verify_token_budget: int = 2048   # lazy verification: score once this many tokens wait...
     verify_max_deferrals: int = 6     # ...or once a request has waited this many decode steps
     verify_sibling_completion: bool = False  # lazy verification: ...or once all siblings of a request finished
+    perfect_ties: str = "key"         # early pruning at the maximum score: "key" (exact) or "first_verified"
 
     def __post_init__(self):
         if not self.speculative:
@@ -54,6 +61,10 @@ class BeamOptions:
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
                                      "and verifies whole levels at once")
+        if self.perfect_ties != "key" and not self.early_pruning:
+            raise ValueError("perfect_ties is an early pruning rule: it needs early_pruning=True")
+        if self.perfect_ties not in PERFECT_TIES:
+            raise ValueError(f"perfect_ties must be one of {PERFECT_TIES}, got {self.perfect_ties!r}")
         if self.verify_sibling_completion and not self.lazy_verification:
             raise ValueError("verify_sibling_completion=True is a lazy verification rule: it needs "
                              "lazy_verification=True")
@@ -195,6 +206,14 @@ class BeamRun:
         self.decoder.drop(lambda row: doomed_parent(row.parent))
         self.queue.drop(lambda item: doomed_parent(item[0].parent))
 
+    def _drop_candidates(self, doomed):
+        """Drop the unverified candidates (decoding or queued) for which doomed(candidate) holds, and the rows they
+        leave empty."""
+        for row in self.rows + [row for row, _ in self.queue.items()]:
+            row.candidates = [c for c in row.candidates if not doomed(c)]
+        self.decoder.drop(lambda row: not row.candidates)
+        self.queue.drop(lambda item: not item[0].candidates)
+
     def _closable(self, depth):
         """Level `depth` is decided: its parent level is closed and none of its candidates is still decoding or
         waiting for a score (children of pruned parents were dropped)."""
@@ -235,9 +254,14 @@ class BeamRun:
             if len(level.verified) > k:
                 self._prune([t for t in level.verified if self._outranked(t, level.verified, k)])
             perfect = [o for o in level.verified if self.score[o] >= MAX_SCORE]
-            if len(perfect) >= k:  # nothing still unverified in this level can beat k sure perfect candidates
+            if len(perfect) < k:
+                continue
+            if self.options.perfect_ties == "first_verified":
                 self._drop(lambda parent, depth=depth, perfect=perfect: len(parent.steps) + 1 == depth and
                            self._sure_count(perfect, parent) >= k)
+            else:  # an unverified candidate scores at most the maximum, so perfect ones with smaller keys outrank it
+                self._drop_candidates(lambda c, depth=depth, perfect=perfect: len(c.parent.steps) + 1 == depth and
+                                      self._sure_count([o for o in perfect if o.key < c.key], c.parent) >= k)
 
     def _outranked(self, t, verified, k):
         """At least k sure candidates of t's level rank above t."""
