@@ -131,9 +131,12 @@ def test_several_problems_in_one_batch_equal_the_reference_one_by_one(policy_mod
             alone = tree_search(policy_model, prompt, hashed, SearchConfig(**config, seed=seed,
                                                                            leaf_states=leaf_states)).stats
             for key in ("verifier_calls", "steps", "step_tokens", "forwards", "replayed", "replay_tokens",
-                        "peak_tree_bytes"):
+                        "replay_forwards", "peak_tree_bytes"):
                 assert result.stats[key] == alone[key], (leaf_states, i, key)
             assert result.stats["peak_held_bytes"] >= max(r.stats["peak_tree_bytes"] for r in results) > 0
+        if leaf_states == "replay":  # a level's replays of one step length share a pass
+            assert all(r.stats["replay_forwards"] <= r.stats["replayed"] for r in results)
+            assert any(r.stats["replay_forwards"] < r.stats["replayed"] for r in results)
 
 
 def test_search_batch_rejects_bad_input(policy_model):
@@ -208,5 +211,5 @@ def test_held_bytes_are_what_the_batch_and_the_live_snapshots_hold(policy_model,
     config = SearchConfig(strategy=strategy, width=6, beam_width=2, max_steps=3, step_delimiter_ids=(4, 5),
                           step_max_tokens=4, eos_token_ids=(0,), seed=2, leaf_states=leaf_states)
     result = tree_search(policy_model, [1, 2, 3], hashed, config)
-    decode_passes = result.stats["forwards"] - result.stats["replayed"]
+    decode_passes = result.stats["forwards"] - result.stats["replay_forwards"]
     assert len(measured) == decode_passes + 1 and result.stats["peak_held_bytes"] == max(measured)

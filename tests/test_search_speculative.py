@@ -127,6 +127,20 @@ def test_batched_rows_equal_full_forwards(family):
     feed([1, 1, 2])
     check()
     torch.testing.assert_close(root.logits, full_forward(model, prompt), atol=1e-5, rtol=1e-5)  # root undisturbed
+    # extend: snapshots of different lengths (K/V widths) rebuilt in one pass; each equals its full forward
+    snapshots = [(root, []), (batch.row(0), sequences[0]), (parked, [2, 2])]
+    forced = [[5, 6, 7], [1, 9, 2], [3, 3, 8]]
+    rows_before = len(batch)
+    for (state, sequence), tokens, got in zip(snapshots, forced, batch.extend([s for s, _ in snapshots], forced)):
+        assert got.length == state.length + 3
+        torch.testing.assert_close(got.logits, full_forward(model, prompt + sequence + tokens), atol=1e-5, rtol=1e-5)
+        batch.add([got])                         # and decoding goes on from it
+        sequences.append(sequence + tokens)
+    assert len(batch) == rows_before + 3
+    feed([4] * len(batch))
+    check()
+    with pytest.raises(ValueError, match="one length"):
+        batch.extend([root, root], [[1, 2], [3]])
 
 
 SWITCHES = [dict(speculative=s, early_pruning=e, dedup=d, lazy_verification=lv, verify_token_budget=24)

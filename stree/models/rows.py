@@ -142,20 +142,35 @@ class RowBatch:
         return batch, root
 
     @torch.no_grad()
-    def extend(self, state, tokens):
-        """The RowState after feeding `tokens` on top of snapshot `state`: one forward pass over all of them in a
-        one-row side batch (this batch is unchanged)."""
+    def extend(self, states, tokens):
+        """The RowStates after feeding tokens[i] on top of snapshot states[i], for every i, in one forward pass of a
+        side batch (this batch is unchanged). tokens: one list of ids per state, all of one length L >= 1."""
+        if len(states) != len(tokens) or not states or len({len(t) for t in tokens}) != 1 or not tokens[0]:
+            raise ValueError(f"extend needs one token list per state, all of one length >= 1: {len(states)} states, "
+                             f"token lists of lengths {sorted({len(t) for t in tokens})}")
         cache, mask = self._empty
         side = RowBatch(self.model, copy.deepcopy(cache), mask, self.lengths[:0], self.logits[:0], self.hidden[:0],
                         self.snapshots)
-        side.add([state])
-        positions = torch.arange(state.length, state.length + len(tokens), device=self.model.device)[None]
-        if side.kv_slots:  # the one row's columns are all valid: the model's own causal mask is the right one
-            side.mask = torch.cat([side.mask, side.mask.new_ones(1, len(tokens))], dim=1)
-        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.model.device), cache=side.cache,
-                         use_cache=True, position_ids=positions, output_hidden_states=True, logits_to_keep=1)
-        side._advanced(out, len(tokens))
-        return side.row(0)
+        side.add(states)
+        n, L, device = len(states), len(tokens[0]), self.model.device
+        positions = side.lengths[:, None] + torch.arange(L, device=device)[None]
+        kwargs = {}
+        if side.kv_slots:
+            padded = not side.mask.all()
+            side.mask = torch.cat([side.mask, side.mask.new_ones(n, L)], dim=1)
+            if padded:  # rows of different widths: each sees its own valid columns, then the new tokens causally
+                W = side.mask.shape[1]
+                allowed = side.mask[:, None, :].expand(n, L, W).clone()
+                allowed[:, :, W - L:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+                dtype = self.model.dtype
+                kwargs["attention_mask"] = torch.zeros(n, 1, L, W, dtype=dtype, device=device).masked_fill(
+                    ~allowed[:, None], torch.finfo(dtype).min)
+            # (without padding the model's own causal mask is the right one)
+        out = self.model(input_ids=torch.tensor([list(t) for t in tokens], device=device), cache=side.cache,
+                         use_cache=True, position_ids=positions, output_hidden_states=True, logits_to_keep=1,
+                         **kwargs)
+        side._advanced(out, L)
+        return [side.row(i) for i in range(n)]
 
     def __len__(self):
         return self.lengths.shape[0]

@@ -10,8 +10,8 @@ the batch with their state: a snapshot (RowState), or, with keep_states=False or
 
 Replayed leaves (SearchConfig(leaf_states="replay")): a request may name `forced` tokens (the step of the leaf it
 continues) to feed on top of its state (the leaf's parent's snapshot) before the first draw; they go in with one
-forward pass over all of them (RowBatch.extend), and the leaf's released state gets the result back (the leaf's
-children are rebuilt from it next time).
+forward pass over all of them (RowBatch.extend), shared by every replay of the same length started together, and
+the leaf's released state gets the result back (the leaf's children are rebuilt from it next time).
 
 Branches of several searches (problems) may share one decoder: each request names its `owner`, and the decoder
 counts every owner's work apart (owner_stats).
@@ -68,8 +68,9 @@ class Request:
 
 class StepDecoder:
     """Branches of steps decoded together on one RowBatch. stats: forwards (model passes: batched decode passes and
-    replays), step_tokens (row-tokens drawn and fed, after dedup), replayed (leaves rebuilt, one pass each) and
-    replay_tokens (the tokens fed to rebuild them), peak_held_bytes (RowBatch.held_bytes after each decode pass,
+    replay passes), step_tokens (row-tokens drawn and fed, after dedup), replayed (leaves rebuilt), replay_tokens
+    (the tokens fed to rebuild them), replay_forwards (the passes that did: one per distinct number of forced
+    tokens among the requests of one start()), peak_held_bytes (RowBatch.held_bytes after each decode pass,
     when the ended rows' snapshots and the batch both exist). owner_stats(owner): the same counts for one owner's
     branches (forwards: the passes it had a branch in, and its replays), peak_held_bytes being the whole batch's."""
 
@@ -77,18 +78,27 @@ class StepDecoder:
         self.policy, self.batch = policy, batch
         self.dedup, self.keep_states = dedup, keep_states
         self.branches = []                       # Branch per batch row
-        self.stats = dict(forwards=0, step_tokens=0, replayed=0, replay_tokens=0, peak_held_bytes=batch.held_bytes())
+        self.stats = dict(forwards=0, step_tokens=0, replayed=0, replay_tokens=0, replay_forwards=0,
+                          peak_held_bytes=batch.held_bytes())
         self._owners = {}                        # owner -> Counter of its forwards, step_tokens, replays
 
     def start(self, requests):
-        """Add one row per request (its state is copied: the caller may release it afterwards)."""
-        states = []
+        """Add one row per request (its state is copied: the caller may release it afterwards). Replays with the same
+        number of forced tokens go in one forward pass."""
+        by_length = {}
         for r in requests:
             if r.forced:
-                _fill(r.rebuilds, self.batch.extend(r.state, r.forced))
+                by_length.setdefault(len(r.forced), []).append(r)
+        for group in by_length.values():
+            for r, state in zip(group, self.batch.extend([r.state for r in group], [r.forced for r in group])):
+                _fill(r.rebuilds, state)
                 self.batch.snapshots.add(r.rebuilds)
-                self._count(r.owner, forwards=1, replayed=1, replay_tokens=len(r.forced))
-            states.append(r.rebuilds if r.forced else r.state)
+                self._count(r.owner, replayed=1, replay_tokens=len(r.forced))
+            self.stats["forwards"] += 1
+            self.stats["replay_forwards"] += 1
+            for owner in {r.owner for r in group}:
+                self._owners.setdefault(owner, Counter()).update(forwards=1, replay_forwards=1)
+        states = [r.rebuilds if r.forced else r.state for r in requests]
         self.batch.add(states)
         self.branches += [Branch(list(r.candidates), owner=r.owner) for r in requests]
 

@@ -323,9 +323,10 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
     encode on the decoded text). Returns a SearchResult. stats:
       verifier_calls   one per distinct step of a parent node;
       steps, wall_time;
-      forwards         model forward passes: one per decode step (batched), plus one per replayed leaf;
+      forwards         model forward passes: one per decode step (batched), plus the replay passes;
       step_tokens      row-tokens drawn and fed (siblings share a row while their tokens agree);
-      replayed, replay_tokens   leaves rebuilt (one pass over their step each) and the tokens fed for them;
+      replayed, replay_tokens   leaves rebuilt and the tokens fed for them;
+      replay_forwards  the passes that rebuilt them (a level's replays of one step length share one pass);
       peak_tree_bytes  the most bytes the tree held right after a step was generated (every live and finished
                        trajectory with its shared prefixes) under TreeMemory's model;
       peak_held_bytes  the most bytes of cache state this engine really kept: the padded batch plus every snapshot
