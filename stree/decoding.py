@@ -273,7 +273,7 @@ def _tree_model(model, compile, nodes, pass_width):
     options = {} if compile is True else dict(compile)
     width = pass_width if model.device.type == "cuda" else None
     kept = model.__dict__.setdefault("_stree_compiled", {})
-    key = (nodes, width, tuple(sorted(options.items())))
+    key = (nodes, width, repr(sorted(options.items())))  # repr: option values may be dicts (options={...})
     if key not in kept:
         kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(**options)
     return kept[key]

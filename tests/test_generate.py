@@ -219,7 +219,7 @@ def test_fixed_shape_compiled_passes_equal_hf():
     target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=2))
     draft = noisy_copy(target, 0.02, 1)
     torch._dynamo.reset()
-    options = {"backend": "aot_eager"}
+    options = {"backend": "aot_eager", "options": {}}  # nested (inductor's options= dict) as users may pass it
     counts = torch._dynamo.utils.counters
     counts.clear()  # reset() leaves the counters of earlier tests
     for prompt in prompts([5, 9], seed=3):
