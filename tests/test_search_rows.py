@@ -141,8 +141,6 @@ def test_several_problems_in_one_batch_equal_the_reference_one_by_one(policy_mod
 
 def test_search_batch_rejects_bad_input(policy_model):
     config = SearchConfig(strategy="rebase", width=2, max_steps=1, step_delimiter_ids=(4,))
-    with pytest.raises(ValueError, match="level-synchronous"):
-        tree_search_batch(policy_model, [[1]], hashed, SearchConfig(strategy="spec_beam", width=4, beam_width=2))
     with pytest.raises(ValueError, match="as many verifiers and seeds"):
         tree_search_batch(policy_model, [[1], [2]], [hashed], config)
     with pytest.raises(ValueError, match="at least one prompt"):

@@ -1,4 +1,5 @@
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from loops import plain_vote
 from stree.models import tiny_model
 from stree.search import (BeamOptions, PRMVerifier, RowBatch, SearchConfig, VerificationQueue, candidate_generator,
-                          score_batch, tree_search)
+                          score_batch, tree_search, tree_search_batch)
 from stree.search.beam import BeamRun
 from stree.search.policy import Policy
 
@@ -292,6 +293,32 @@ def test_speculative_beam_with_early_pruning_equals_a_plain_reference_beam_searc
                                                                        early_pruning=True, **switches), verifier)
         assert survivors == want, switches
         assert sorted(t.tokens for t in completed) == want_completed, switches
+
+
+@pytest.mark.parametrize("switches", [dict(), dict(speculative=True, early_pruning=True),
+                                      dict(speculative=True, early_pruning=True, perfect_ties="first_verified"),
+                                      dict(speculative=True, early_pruning=True, lazy_verification=True,
+                                           verify_sibling_completion=True, verify_token_budget=30)],
+                         ids=["sync", "EP", "EP-first", "EP-LV-SC"])
+def test_spec_beam_of_several_problems_in_one_batch_equals_each_alone(policy_model, switches):
+    """tree_search_batch runs spec_beam searches of problems with different prompts and seeds on one batch: each
+    problem completes what it completes alone and what the plain reference beam search completes (exact switches),
+    with its own counts equal to a lone search's."""
+    prompts, seeds = [[1, 2, 3], [7, 3, 5, 2, 6, 1], [2]], [0, 7, 3]
+    verifier = lambda prompt, steps: 1.0 if (len(steps[-1]) + sum(prompt)) % 2 else 0.25  # noqa: E731
+    config = beam_config(max_steps=4, width=6, beam_width=2, **switches)
+    results = tree_search_batch(policy_model, prompts, verifier, config, seeds=seeds)
+    for prompt, seed, result in zip(prompts, seeds, results):
+        alone = tree_search(policy_model, prompt, verifier, replace(config, seed=seed))
+        assert [(t.key, t.steps, t.step_scores) for t in result.trajectories] == \
+            [(t.key, t.steps, t.step_scores) for t in alone.trajectories]
+        for key in ("verifier_calls", "verifier_batches", "steps", "step_tokens", "forwards", "pruned",
+                    "peak_tree_bytes"):
+            assert result.stats[key] == alone.stats[key], key
+        if switches.get("perfect_ties") != "first_verified":
+            _, want = reference_beam(policy_model, prompt, verifier, replace(config, seed=seed))
+            assert sorted(t.tokens for t in result.trajectories) == want
+    assert results[0].stats["peak_held_bytes"] >= max(r.stats["peak_tree_bytes"] for r in results)
 
 
 def test_verification_queue_flushes_on_tokens_deferrals_or_idle():

@@ -162,6 +162,16 @@ class StepDecoder:
         return RowState(None, None, int(b.lengths[i]), None, b.hidden[i].clone())
 
 
+def shared_batch(policy, prompts):
+    """(one empty RowBatch for every problem's rows, each prompt's RowState): each prompt is prefilled alone; the
+    other prompts' batches go, their states counted among the kept one's snapshots."""
+    roots = [policy.prefill(prompt) for prompt in prompts]
+    batch = roots[0][0]
+    for _, state in roots[1:]:
+        batch.snapshots.add(state)
+    return batch, [state for _, state in roots]
+
+
 def _fill(state, snapshot):
     """Give a released RowState the tensors of `snapshot` (the same row rebuilt)."""
     state.kv, state.states, state.logits = snapshot.kv, snapshot.states, snapshot.logits

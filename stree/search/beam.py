@@ -32,10 +32,10 @@ and runs can be compared exactly.
   (the children of its parent) has finished its step, so a complete family is never left waiting (SpecScale).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .answers import aggregate_step_scores
-from .batched import Candidate, Request, StepDecoder, candidate_generator
+from .batched import Candidate, Request, StepDecoder, candidate_generator, shared_batch
 from .lazy import VerificationQueue
 from .tree import Trajectory, TreeMemory, search_result
 
@@ -80,15 +80,18 @@ class Level:
 
 
 class BeamRun:
-    """One spec_beam search; see the module docstring."""
+    """One spec_beam search; see the module docstring. Alone (BeamRun(policy, prompt, verifier, config).run()) it
+    decodes on a batch of its own; several share one StepDecoder (run_together), each run's rows tagged `owner`."""
 
-    def __init__(self, policy, prompt, verifier, config):
+    def __init__(self, policy, prompt, verifier, config, decoder=None, root_state=None, owner=0):
         self.policy, self.config, self.options = policy, config, config.spec_beam
         self.children_per_survivor = config.width // config.kept
-        batch, state = policy.prefill(prompt)
-        self.memory = TreeMemory(state)
-        self.decoder = StepDecoder(policy, batch, dedup=config.dedup)
-        self.root = Trajectory(0, None, [], [], state)
+        if decoder is None:
+            batch, root_state = policy.prefill(prompt)
+            decoder = StepDecoder(policy, batch, dedup=config.dedup)
+        self.decoder, self.owner = decoder, owner
+        self.memory = TreeMemory(root_state)
+        self.root = Trajectory(0, None, [], [], root_state)
         options = self.options
         if not options.speculative:
             self.queue = VerificationQueue(verifier, prompt, flush_tokens=None, max_deferrals=None)
@@ -107,20 +110,24 @@ class BeamRun:
 
     @property
     def rows(self):
-        """The branches being decoded (one per batch row)."""
-        return self.decoder.branches
+        """This run's branches being decoded (one per batch row)."""
+        return [row for row in self.decoder.branches if row.owner == self.owner]
 
     def run(self):
-        self._expand([self.root])
-        while self.rows or len(self.queue):
-            if self.rows:
-                self._decode()
-            if self.queue.due(idle=not self.rows, decoding={row.parent for row in self.rows}):
-                for (row, state), score in self.queue.flush():
-                    self._accept(row, state, score)
-                self._settle()
-        self.stats.update(self.decoder.stats, verifier_calls=self.queue.calls, verifier_batches=self.queue.batches)
+        """Search to the end; returns the completed trajectories."""
+        run_together([self])
         return self.completed
+
+    def _verify_due(self):
+        """Score the queue if it is due, then settle."""
+        if self.queue.due(idle=not self.rows, decoding={row.parent for row in self.rows}):
+            for (row, state), score in self.queue.flush():
+                self._accept(row, state, score)
+            self._settle()
+
+    def _finish(self):
+        self.stats.update(self.decoder.owner_stats(self.owner), verifier_calls=self.queue.calls,
+                          verifier_batches=self.queue.batches)
 
     # decoding
 
@@ -133,15 +140,15 @@ class BeamRun:
             count = self.config.width if t is self.root else self.children_per_survivor
             keys = [t.key + (i,) for i in range(count)]
             requests.append(Request(t.state, [Candidate(k, candidate_generator(self.config.seed, k), t)
-                                              for k in keys]))
+                                              for k in keys], owner=self.owner))
         self.decoder.start(requests)
         for t in trajectories:  # the batch holds copies now
             t.state = None
 
-    def _decode(self):
-        """One forward pass; rows whose step ended leave the batch for the verification queue."""
+    def _take(self, ended):
+        """After a forward pass this run had rows in: its rows whose step ended go to the verification queue."""
         self.queue.defer()
-        for row, state in self.decoder.step():
+        for row, state in ended:
             self.queue.submit((row, state), row.parent.steps + [row.tokens], family=row.parent)
         self._measure()
 
@@ -203,7 +210,7 @@ class BeamRun:
 
     def _drop(self, doomed_parent):
         """Drop decoding rows and queued requests whose parent satisfies doomed_parent(parent)."""
-        self.decoder.drop(lambda row: doomed_parent(row.parent))
+        self.decoder.drop(lambda row: row.owner == self.owner and doomed_parent(row.parent))
         self.queue.drop(lambda item: doomed_parent(item[0].parent))
 
     def _drop_candidates(self, doomed):
@@ -211,7 +218,7 @@ class BeamRun:
         leave empty."""
         for row in self.rows + [row for row, _ in self.queue.items()]:
             row.candidates = [c for c in row.candidates if not doomed(c)]
-        self.decoder.drop(lambda row: not row.candidates)
+        self.decoder.drop(lambda row: row.owner == self.owner and not row.candidates)
         self.queue.drop(lambda item: not item[0].candidates)
 
     def _closable(self, depth):
@@ -273,13 +280,36 @@ class BeamRun:
         return sum(self._sure(o, path) for o in others)
 
 
-def spec_beam_search(policy, prompt, verifier, config, answer_fn, embedder=None):
-    """Beam search with `policy` (a Policy); config: SearchConfig(strategy="spec_beam"), switches in
-    config.spec_beam (BeamOptions). Returns a SearchResult; stats: step_tokens (row-tokens decoded), forwards
-    (batched forward passes), verifier_calls (requests scored) and verifier_batches (verifier invocations), steps
-    (deepest level), pruned (candidates pruned after verification), peak_tree_bytes (TreeMemory's model) and
-    peak_held_bytes (the padded batch plus every snapshot alive, RowBatch.held_bytes). embedder is unused."""
+def run_together(runs):
+    """Run BeamRuns that share one StepDecoder to the end: one forward pass at a time for the rows of every run, each
+    run verifying, pruning and expanding by itself, as it would alone."""
+    decoder = runs[0].decoder
+    for run in runs:
+        run._expand([run.root])
+    while any(run.rows or len(run.queue) for run in runs):
+        if decoder.branches:
+            decoding = [run for run in runs if run.rows]
+            ended = decoder.step()
+            for run in decoding:
+                run._take([(row, state) for row, state in ended if row.owner == run.owner])
+        for run in runs:
+            run._verify_due()
+    for run in runs:
+        run._finish()
+
+
+def spec_beam_searches(policy, prompts, verifiers, config, seeds, answer_fn, embedder=None):
+    """Beam searches with `policy` (a Policy), one per prompt, decoded together on one batch; config:
+    SearchConfig(strategy="spec_beam"), switches in config.spec_beam (BeamOptions); problem i runs with seed
+    seeds[i] and gets the result it gets alone (up to float rounding of batched rows). Returns one SearchResult per
+    problem; stats: step_tokens (row-tokens decoded), forwards (batched forward passes it had rows in),
+    verifier_calls (requests scored) and verifier_batches (verifier invocations), steps (deepest level), pruned
+    (candidates pruned after verification), peak_tree_bytes (TreeMemory's model) and peak_held_bytes (the whole
+    padded batch plus every snapshot alive, RowBatch.held_bytes). embedder is unused."""
     start = time.perf_counter()
-    run = BeamRun(policy, prompt, verifier, config)
-    completed = run.run()
-    return search_result(completed, config.aggregation, answer_fn, run.stats, start)
+    batch, roots = shared_batch(policy, prompts)
+    decoder = StepDecoder(policy, batch, dedup=config.dedup)
+    runs = [BeamRun(policy, prompt, verifier, replace(config, seed=seed), decoder, root, owner)
+            for owner, (prompt, verifier, seed, root) in enumerate(zip(prompts, verifiers, seeds, roots))]
+    run_together(runs)
+    return [search_result(run.completed, config.aggregation, answer_fn, run.stats, start) for run in runs]

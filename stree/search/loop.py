@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .allocation import ETS_WEIGHTS, ets_select, rebase_allocation
-from .batched import Candidate, Request, StepDecoder, candidate_generator
-from .beam import BeamOptions, spec_beam_search
+from .batched import Candidate, Request, StepDecoder, candidate_generator, shared_batch
+from .beam import BeamOptions, spec_beam_searches
 from .clusters import cluster_embeddings
 from .policy import Policy
 from .tree import Trajectory, TreeMemory, search_result, trajectory_scores
@@ -148,11 +148,6 @@ class SearchContext:
         return torch.as_tensor(self.embedder(trajectory.tokens), dtype=torch.float32).flatten().cpu()
 
 
-def level_search(policy, prompt, verifier, config, answer_fn, embedder=None):
-    """The level-synchronous search (config.strategy in ALLOCATIONS) of one problem; see tree_search."""
-    return level_searches(policy, [prompt], [verifier], config, [config.seed], answer_fn, embedder)[0]
-
-
 def level_searches(policy, prompts, verifiers, config, seeds, answer_fn, embedder=None):
     """Level-synchronous searches of several problems decoded together: one RowBatch, one forward pass per token
     for the live branches of every problem. Each problem moves on by itself: once all branches of its level have
@@ -161,14 +156,11 @@ def level_searches(policy, prompts, verifiers, config, seeds, answer_fn, embedde
     one the problem gets searched alone (up to the float rounding of batched rows).
     Returns one SearchResult per problem; stats["peak_held_bytes"] is the whole batch's."""
     start = time.perf_counter()
-    roots = [policy.prefill(prompt) for prompt in prompts]
-    batch = roots[0][0]
-    for _, state in roots[1:]:  # their own (empty) batches go; their prompts' states count in this one
-        batch.snapshots.add(state)
+    batch, roots = shared_batch(policy, prompts)
     configs = [replace(config, seed=seed) for seed in seeds]
     decoder = StepDecoder(policy, batch, dedup=config.dedup, keep_states=config.leaf_states != "replay")
     searches = {owner: _level_search(prompt, verifier, c, state, policy.eos, embedder, owner)
-                for owner, (prompt, verifier, c, (_, state)) in enumerate(zip(prompts, verifiers, configs, roots))}
+                for owner, (prompt, verifier, c, state) in enumerate(zip(prompts, verifiers, configs, roots))}
     finals, ended = {}, {}
 
     def resume(owner, sent):
@@ -282,7 +274,8 @@ def _nodes(ended):
     return sorted(groups.items(), key=lambda item: min(c.key for branch, _ in item[1] for c in branch.candidates))
 
 
-STRATEGIES = {**{name: level_search for name in ALLOCATIONS}, "spec_beam": spec_beam_search}
+# name -> search(policy, prompts, verifiers, config, seeds, answer_fn, embedder): one SearchResult per problem
+STRATEGIES = {**{name: level_searches for name in ALLOCATIONS}, "spec_beam": spec_beam_searches}
 
 
 def _policy(model, config):
@@ -294,16 +287,15 @@ def _policy(model, config):
 def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedder=None, seeds=None):
     """Search several problems at once: their trajectories share one batch, one forward pass per token for every
     live branch of every problem (what serving many problems on one accelerator does; a strategy that keeps less
-    state fits more problems in the same memory). Level-synchronous strategies only (not spec_beam).
+    state fits more problems in the same memory). Every strategy; each problem moves on by itself (a
+    level-synchronous one to its next level once its own level has ended; spec_beam verifying and expanding its
+    own candidates).
 
     prompts: a list of prompt token ids; verifiers: one verifier per prompt, or one for all; config: the
     SearchConfig of every problem; seeds: one seed per problem (default config.seed for each, so problem i gets
     the result tree_search(model, prompts[i], verifiers[i], config) gets, up to float rounding). Returns a list of
     SearchResults; stats as tree_search's, counted per problem, except peak_held_bytes (the whole batch's) and
     wall_time (the whole call's)."""
-    if config.strategy not in ALLOCATIONS:
-        raise ValueError(f"tree_search_batch runs the level-synchronous strategies {sorted(ALLOCATIONS)}, got "
-                         f"{config.strategy!r}")
     prompts = [torch.as_tensor(p).flatten().tolist() for p in prompts]
     if not prompts:
         raise ValueError("tree_search_batch needs at least one prompt")
@@ -313,7 +305,8 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
         raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
                          f"{len(seeds)}")
     answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
-    return level_searches(_policy(model, config), prompts, verifiers, config, seeds, answer_fn, embedder)
+    return STRATEGIES[config.strategy](_policy(model, config), prompts, verifiers, config, seeds, answer_fn,
+                                       embedder)
 
 
 def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=None):
@@ -331,8 +324,5 @@ def tree_search(model, prompt_ids, verifier, config, answer_fn=None, embedder=No
                        trajectory with its shared prefixes) under TreeMemory's model;
       peak_held_bytes  the most bytes of cache state this engine really kept: the padded batch plus every snapshot
                        alive (RowBatch.held_bytes).
-    spec_beam documents its own stats (stree.search.beam.spec_beam_search)."""
-    policy = _policy(model, config)
-    answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
-    prompt = torch.as_tensor(prompt_ids).flatten().tolist()
-    return STRATEGIES[config.strategy](policy, prompt, verifier, config, answer_fn, embedder)
+    spec_beam documents its own stats (stree.search.beam.spec_beam_searches)."""
+    return tree_search_batch(model, [prompt_ids], [verifier], config, answer_fn, embedder)[0]
