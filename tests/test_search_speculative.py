@@ -385,3 +385,9 @@ def test_bad_config():
         BeamOptions(speculative=True, perfect_ties="first_verified")
     with pytest.raises(ValueError, match="perfect_ties must be one of"):
         BeamOptions(speculative=True, early_pruning=True, perfect_ties="first")
+
+
+def test_early_pruning_rejects_scores_above_the_maximum(policy_model):
+    with pytest.raises(ValueError, match="at most 1.0"):
+        run_beam(policy_model, beam_config(speculative=True, early_pruning=True), lambda prompt, steps: 1.5)
+    run_beam(policy_model, beam_config(speculative=True), lambda prompt, steps: 1.5)  # without pruning: any scale

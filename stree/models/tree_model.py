@@ -64,7 +64,9 @@ def _own_copy(method):
     f = method.__func__
     n = next(_copies)
     name = f"{f.__name__}_{n}"
-    code = f.__code__.replace(co_name=name, co_qualname=f"{f.__qualname__}_{n}")
+    code = f.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python >= 3.11
+        code = code.replace(co_qualname=f"{f.__qualname__}_{n}")
     copy = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
     return types.MethodType(copy, method.__self__)
 

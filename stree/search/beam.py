@@ -61,10 +61,10 @@ class BeamOptions:
                 if getattr(self, name):
                     raise ValueError(f"{name}=True needs speculative=True: synchronous beam search already decides "
                                      "and verifies whole levels at once")
-        if self.perfect_ties != "key" and not self.early_pruning:
-            raise ValueError("perfect_ties is an early pruning rule: it needs early_pruning=True")
         if self.perfect_ties not in PERFECT_TIES:
             raise ValueError(f"perfect_ties must be one of {PERFECT_TIES}, got {self.perfect_ties!r}")
+        if self.perfect_ties != "key" and not self.early_pruning:
+            raise ValueError("perfect_ties is an early pruning rule: it needs early_pruning=True")
         if self.verify_sibling_completion and not self.lazy_verification:
             raise ValueError("verify_sibling_completion=True is a lazy verification rule: it needs "
                              "lazy_verification=True")
@@ -170,6 +170,9 @@ class BeamRun:
         level = self.levels.setdefault(depth, Level())
         step_scores = row.parent.step_scores + [score]
         aggregated = aggregate_step_scores(step_scores, self.config.aggregation)  # the same for every copy
+        if self.options.early_pruning and aggregated > MAX_SCORE:
+            raise ValueError(f"early pruning needs trajectory scores of at most {MAX_SCORE} (it drops candidates "
+                             f"that candidates with the maximum score outrank), got {aggregated}")
         for candidate in row.candidates:
             t = Trajectory(self.next_node, row.parent, row.parent.steps + [row.tokens], step_scores, state,
                            row.tokens[-1] in self.policy.eos, key=candidate.key)
