@@ -8,7 +8,8 @@ from loops import plain_vote
 from stree.models import tiny_model
 from stree.search import (BeamOptions, PRMVerifier, RowBatch, SearchConfig, VerificationQueue, candidate_generator,
                           score_batch, tree_search, tree_search_batch)
-from stree.search.beam import BeamRun
+from stree.search.batched import StepDecoder, shared_batch
+from stree.search.beam import BeamRun, run_together
 from stree.search.policy import Policy
 
 
@@ -66,8 +67,10 @@ def beam_config(**switches):
 def run_beam(model, config, verifier=hashed, prompt=(1, 2, 3)):
     policy = Policy(model, step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                     eos_token_ids=config.eos_token_ids)
-    run = BeamRun(policy, list(prompt), verifier, config)
-    completed = run.run()
+    batch, [root] = shared_batch(policy, [list(prompt)])
+    run = BeamRun(policy, list(prompt), verifier, config, StepDecoder(policy, batch, dedup=config.dedup), root)
+    run_together([run])
+    completed = run.completed
     survivors = {(tuple(map(tuple, t.steps)), t.step_scores[-1] if t.steps else None) for t in run.survivors}
     return run, completed, survivors
 

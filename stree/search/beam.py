@@ -80,15 +80,12 @@ class Level:
 
 
 class BeamRun:
-    """One spec_beam search; see the module docstring. Alone (BeamRun(policy, prompt, verifier, config).run()) it
-    decodes on a batch of its own; several share one StepDecoder (run_together), each run's rows tagged `owner`."""
+    """One spec_beam search of `prompt` from its prefilled `root_state`, decoding on `decoder` (a StepDecoder that
+    several runs may share, each run's rows tagged `owner`); run_together runs them. See the module docstring."""
 
-    def __init__(self, policy, prompt, verifier, config, decoder=None, root_state=None, owner=0):
+    def __init__(self, policy, prompt, verifier, config, decoder, root_state, owner=0):
         self.policy, self.config, self.options = policy, config, config.spec_beam
         self.children_per_survivor = config.width // config.kept
-        if decoder is None:
-            batch, root_state = policy.prefill(prompt)
-            decoder = StepDecoder(policy, batch, dedup=config.dedup)
         self.decoder, self.owner = decoder, owner
         self.memory = TreeMemory(root_state)
         self.root = Trajectory(0, None, [], [], root_state)
@@ -112,11 +109,6 @@ class BeamRun:
     def rows(self):
         """This run's branches being decoded (one per batch row)."""
         return [row for row in self.decoder.branches if row.owner == self.owner]
-
-    def run(self):
-        """Search to the end; returns the completed trajectories."""
-        run_together([self])
-        return self.completed
 
     def _verify_due(self):
         """Score the queue if it is due, then settle."""
