@@ -1,21 +1,21 @@
 """HostTree: the structure of a growing batch of token trees, kept on the host and extended as nodes arrive.
 
 A pass needs each node's ancestors (the tree mask), its depth (positions) and, per conv width, the window of
-earlier inputs it sees. All of it follows from the parent of each new node and what that parent already has, so
-it is built here with small numpy operations as the tree grows and copied to the device once per pass, instead
+earlier inputs it sees. All of it follows from the parent of each new node and what that parent already has
+(its ancestors plus itself, its depth plus one, its window shifted by one), so it is filled in node by node as
+the tree grows, in one int64 buffer laid out as a pass wants it, and copied to the device once per pass, instead
 of being solved on the device (and validated with host syncs) every pass.
 """
 import numpy as np
 import torch
 
 
-
 class HostTree:
     """Trees of `batch` rows growing together (every pass adds the same number of nodes to each row).
 
-    parents (batch, n) int64, -1 = child of the committed prefix; mask (batch, n, n) bool, [b, i, k] = k on
-    path(i); depth (batch, n); windows[(width, state_len)] (batch, n, width): the columns of cat(conv_state, x)
-    node i's conv window reads, as triton_kernels.utils.window_index defines them.
+    parents (batch, n) int64, -1 = child of the committed prefix; mask (batch, n, n) int64 0/1, [b, i, k] = 1 if k
+    is on path(i); depth (batch, n); windows[(width, state_len)] (batch, n, width): the columns of
+    cat(conv_state, x) node i's conv window reads, as triton_kernels.utils.window_index defines them.
     """
 
     def __init__(self, batch, window_keys=(), capacity=16):
@@ -24,17 +24,27 @@ class HostTree:
         self._alloc(capacity)
 
     def _alloc(self, capacity):
-        old = getattr(self, "_parents", None)
-        self._parents = np.full((self.batch, capacity), -1, dtype=np.int64)
-        self._mask = np.zeros((self.batch, capacity, capacity), dtype=bool)
-        self._depth = np.zeros((self.batch, capacity), dtype=np.int64)
-        self._windows = {key: np.zeros((self.batch, capacity, key[0]), dtype=np.int64) for key in self.window_keys}
+        """(Re)allocate for `capacity` node slots, keeping the first n nodes. Slots past n may hold anything: add()
+        writes every column of a node's rows."""
+        old = (self._parents, self._mask, self._depth, self._windows) if hasattr(self, "_parents") else None
+        batch, C = self.batch, capacity
+        shapes = [(batch, C), (batch, C, C)] + [(batch, C, width) for width, _ in self.window_keys]
+        self._structure = np.zeros(sum(int(np.prod(s)) for s in shapes), dtype=np.int64)  # what a pass copies
+        views, offset = [], 0
+        for shape in shapes:
+            size = int(np.prod(shape))
+            views.append(self._structure[offset:offset + size].reshape(shape))
+            offset += size
+        self._parents, self._mask = views[0], views[1]
+        self._windows = dict(zip(self.window_keys, views[2:]))
+        self._parents.fill(-1)
+        self._depth = np.zeros((batch, C), dtype=np.int64)
         if old is not None:
             n = self.n
-            self._parents[:, :n], self._depth[:, :n] = old[:, :n], self._old_depth[:, :n]
-            self._mask[:, :n, :n] = self._old_mask[:, :n, :n]
+            self._parents[:, :n], self._mask[:, :n, :n], self._depth[:, :n] = old[0][:, :n], old[1][:, :n, :n], \
+                old[2][:, :n]
             for key in self.window_keys:
-                self._windows[key][:, :n] = self._old_windows[key][:, :n]
+                self._windows[key][:, :n] = old[3][key][:, :n]
         self.capacity = capacity
 
     @property
@@ -54,35 +64,29 @@ class HostTree:
         whole tree, the new nodes being n .. n+R-1). Raises ValueError unless topological. Returns (n_old, n_new)."""
         parents = np.asarray(parents, dtype=np.int64).reshape(self.batch, -1)
         n, R = self.n, parents.shape[1]
-        ids = n + np.arange(R)
-        bad = (parents < -1) | (parents >= ids)
+        bad = (parents < -1) | (parents >= n + np.arange(R))
         if bad.any():
             b, j = map(int, np.argwhere(bad)[0])
             raise ValueError(f"parents must be -1 or an earlier node (topological order): new node {n + j} of row "
                              f"{b} has parent {int(parents[b, j])}")
         self.reserve(max(n + R, 2 * self.capacity) if n + R > self.capacity else 0)
-        # Nodes whose parents are all known are filled at once (a drafting level: one wave; a whole new tree: one
-        # wave per depth), each from its parent's row: its mask row plus itself, depth + 1, window shifted by one.
-        rows = np.arange(self.batch)[:, None]
-        done = n
-        while done < n + R:
-            # the wave runs up to the first later node whose parent is in it (the first node's parent is earlier)
-            waits = (parents[:, done - n + 1:] >= done).any(0)
-            wave = done + 1 + (int(waits.argmax()) if waits.any() else waits.shape[0])
-            ids, p = np.arange(done, wave), parents[:, done - n:wave - n]                      # (W,), (batch, W)
-            has = p >= 0
-            pc = np.where(has, p, 0)
-            new = slice(done, wave)
-            self._parents[:, new] = p
-            np.logical_and(self._mask[rows, pc], has[..., None], out=self._mask[:, new])
-            self._mask[:, ids, ids] = True
-            self._depth[:, new] = (self._depth[rows, pc] + 1) * has
-            for (width, state_len), windows in self._windows.items():
-                # a node's window is its parent's shifted by one; a root's ends with the newest state columns
-                root = np.arange(state_len - width + 1, state_len)
-                windows[:, new, :width - 1] = np.where(has[..., None], windows[rows, pc, 1:], root)
-                windows[:, new, width - 1] = state_len + ids
-            done = wave
+        self._parents[:, n:n + R] = parents
+        windows = [(width, state_len, self._windows[(width, state_len)],
+                    np.arange(state_len - width + 1, state_len)) for width, state_len in self.window_keys]
+        for b, row in enumerate(parents.tolist()):
+            mask, depth = self._mask[b], self._depth[b]
+            for i, p in enumerate(row, n):
+                if p >= 0:  # path(i) = path(p) + i
+                    mask[i] = mask[p]
+                    depth[i] = depth[p] + 1
+                else:
+                    mask[i] = 0
+                    depth[i] = 0
+                mask[i, i] = 1
+                for width, state_len, window, root in windows:
+                    # a node's window is its parent's shifted by one; a root's ends with the newest state columns
+                    window[b, i, :width - 1] = window[b, p, 1:] if p >= 0 else root
+                    window[b, i, width - 1] = state_len + i
         self.n = n + R
         return n, self.n
 
@@ -109,9 +113,7 @@ class HostTree:
     def reserve(self, capacity):
         """Hold at least `capacity` node slots."""
         if capacity > self.capacity:
-            self._old_mask, self._old_depth, self._old_windows = self._mask, self._depth, self._windows
             self._alloc(capacity)
-            del self._old_mask, self._old_depth, self._old_windows
 
     def pass_inputs(self, start, width, length, device):
         """What a pass over nodes start .. start+width-1 needs, over all `capacity` slots (fixed shapes: slots past
@@ -124,15 +126,21 @@ class HostTree:
         if start + width > self.capacity:
             raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
         batch, capacity = self.batch, self.capacity
-        rows = np.arange(start, start + width)
-        depth = np.where(rows < self.n, self._depth[:, rows], 0)
-        parts = [rows, length + depth, self._parents, self._mask, *self._windows.values(), np.array([length])]
-        packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]))
-        flat = packed.to(device)
-        sizes = [p.size for p in parts]
-        pieces = flat.split(sizes)
-        out = dict(rows=pieces[0], positions=pieces[1].view(batch, width), parents=pieces[2].view(batch, capacity),
-                   mask=pieces[3].view(batch, capacity, capacity).bool(), length=pieces[-1].view(()))
-        out["windows"] = {key: piece.view(batch, capacity, key[0])
-                          for key, piece in zip(self._windows, pieces[4:-1])}
+        real = max(0, min(self.n - start, width))
+        positions = np.full((batch, width), length, dtype=np.int64)
+        positions[:, :real] += self._depth[:, start:start + real]
+        header = np.concatenate([np.arange(start, start + width), positions.reshape(-1), [length]])
+        # one fresh array (so what the device sees never changes with the tree), one transfer
+        flat = torch.from_numpy(np.concatenate([header, self._structure])).to(device)
+        out, offset = {}, 0
+        for name, size in (("rows", width), ("positions", batch * width), ("length", 1),
+                           ("parents", batch * capacity), ("mask", batch * capacity * capacity)):
+            out[name], offset = flat[offset:offset + size], offset + size
+        out["positions"], out["length"] = out["positions"].view(batch, width), out["length"].view(())
+        out["parents"], out["mask"] = out["parents"].view(batch, capacity), out["mask"].view(
+            batch, capacity, capacity).bool()
+        out["windows"] = {}
+        for key in self.window_keys:
+            size = batch * capacity * key[0]
+            out["windows"][key], offset = flat[offset:offset + size].view(batch, capacity, key[0]), offset + size
         return out
