@@ -132,6 +132,33 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)], hf_tol(family))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_commits_applied_by_the_next_pass_equal_sequential_decoding(family, monkeypatch):
+    """A commit's device part runs with the next pass. Commits never read in between, then a tree that makes every
+    buffer grow (more node slots than before, attention positions past the reserve), still give HF's sequential
+    decoding's logits, and the state read at the end equals HF's."""
+    from stree.models import tree_model
+    monkeypatch.setattr(tree_model, "DEFAULT_RESERVE", 4)
+    model = tiny_model(family, dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(11))
+    tm = TreeModel(model, nodes=2)
+    tm.prefill(prompt)
+    fed = []
+    for tokens, parents, accepted in (([3, 4], [-1, 0], 1), ([5, 6, 7], [-1, -1, 1], 2)):
+        tm.tree_forward([tokens], [parents])
+        tm.commit([accepted])
+        fed += [tokens[k] for k in path_to(parents, accepted)]
+    tokens, parents = random_tree(12, seed=12)
+    logits = tm.tree_forward([tokens], [parents])[0]
+    for i in range(12):
+        want, _ = decode_sequentially(model, prompt, fed + [tokens[k] for k in path_to(parents, i)])
+        torch.testing.assert_close(logits[i].double(), want.double(), rtol=hf_tol(family), atol=hf_tol(family))
+    tm.commit([11])
+    fed += [tokens[k] for k in path_to(parents, 11)]
+    assert tm.length == 5 + len(fed)
+    assert_cache_is_after(tm, model, prompt, fed, hf_tol(family))
+
+
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     """A forward that fails after the attention layer appended K/V (bamba: mamba, attention, mamba) is rolled back:
     extending again gives the one-pass logits and the commit still equals sequential decoding."""
@@ -159,6 +186,30 @@ def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     torch.testing.assert_close(got, want[3:], rtol=1e-7, atol=1e-7)
     tm.commit(torch.tensor([7]))
     assert_cache_is_after(tm, model, prompt, [tokens[k] for k in path_to(parents, 7)])
+
+
+def test_a_failed_pass_after_a_commit_asks_for_a_new_prefill(monkeypatch):
+    """A pass that fails while it carries the previous commit's device part leaves the state unknown: the model
+    says so (prefill again) instead of decoding on from a state that may or may not include the commit."""
+    from stree.models.mamba2 import Mamba2Layers
+    model = tiny_model("bamba", dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(9))
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    tm.tree_forward([[3, 4]], [[-1, 0]])
+    tm.commit([1])
+
+    def failing(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Mamba2Layers, "forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        tm.tree_forward([[5]], [[-1]])
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="prefill"):
+        tm.tree_forward([[5]], [[-1]])
+    tm.prefill(prompt)
+    torch.testing.assert_close(tm.tree_forward([[5]], [[-1]])[0, 0], decode_sequentially(model, prompt, [5])[0])
 
 
 def test_unsupported_model_lists_supported():

@@ -11,7 +11,8 @@ unchanged) with three things swapped in:
   * positions = committed length + depth.
 The tree's structure (ancestors, conv windows, depths) is kept on the host (HostTree) and copied once per pass.
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
-(one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place.
+(one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place; its
+device part runs at the start of the next pass, in the same (compiled) call, or when `cache` is read.
 """
 import itertools
 import types
@@ -86,7 +87,7 @@ class TreeModel:
     """Wraps a loaded HF model (its modules and weights are used as they are, nothing is copied).
 
     Flow: prefill(prompt) -> tree_forward(tokens, parents) -> [extend(...)] -> commit(nodes) -> tree_forward ...
-    `length` counts the committed tokens; `cache` is the StateCache.
+    `length` counts the committed tokens; `cache` is the StateCache (reading it applies a pending commit).
     """
 
     def __init__(self, model, *, nodes=16, pass_width=None):
@@ -118,18 +119,31 @@ class TreeModel:
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
-        self.cache = None
+        self._cache = None
         self.tree = None       # HostTree of the uncommitted tree
         self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
+        self._pending = None   # the last commit's device arguments, until a pass (or reading `cache`) applies them
         self._pass = None
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
-        self.run = self._run   # the device part of a pass (torch.compile may replace it)
-        self.commit_run = self._commit  # the device part of a commit (likewise)
+        self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
+
+    @property
+    def cache(self):
+        """The StateCache, the last commit applied."""
+        self._apply_pending()
+        return self._cache
+
+    def _apply_pending(self):
+        """Run the pending commit's device part now (eagerly) rather than with the next pass."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            with torch.no_grad():
+                self._commit(*pending)
 
     @property
     def length(self):
-        return 0 if self.cache is None else self.cache.length
+        return 0 if self._cache is None else self._cache.length
 
     @property
     def device(self):
@@ -155,10 +169,11 @@ class TreeModel:
             # most prompts share them (and the compilation)
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = StateCache.from_hf(hf_cache, P, capacity)
-        if self.cache is not None and self.cache.load(cache):
+        self._pending = None  # the state is replaced
+        if self._cache is not None and self._cache.load(cache):
             pass  # same shapes: the existing buffers (and anything compiled against them) are kept
         else:
-            self.cache = cache
+            self._cache = cache
             self._layers = {}
             for group in cache.groups:
                 kinds = {self.kinds.get(i) for i in group.layers}
@@ -171,7 +186,7 @@ class TreeModel:
         return logits[:, -1]
 
     def compile(self, **options):
-        """Compile the device part of every pass and of every commit with torch.compile (inductor; passes on CUDA
+        """Compile the device part of every pass (with the pending commit's) with torch.compile (inductor; on CUDA
         with mode="reduce-overhead", i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from
         pass to pass, so the TreeModel needs enough node slots and, for one graph per shape, a pass_width; without
         one the number of new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more
@@ -188,10 +203,6 @@ class TreeModel:
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
         self.run = torch.compile(_own_copy(self._run), options=extra, **options)
-        # The commit writes the buffers the passes' CUDA graphs read; it is compiled without CUDA graphs of its own
-        # (inductor still fuses its kernels into a few).
-        commit_options = {k: v for k, v in options.items() if not (k == "mode" and v == "reduce-overhead")}
-        self.commit_run = torch.compile(_own_copy(self._commit), options=dict(extra), **commit_options)
         return self
 
     @torch.no_grad()
@@ -204,15 +215,15 @@ class TreeModel:
         (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() may grow the
         tree first.
         """
-        if self.cache is None:
+        if self._cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
         if self.tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
-        self.tree = HostTree(self.cache.batch, self.window_keys, capacity=self.nodes)
+        self.tree = HostTree(self._cache.batch, self.window_keys, capacity=self.nodes)
         try:
             return self._grow(tokens, parents, logits_for)
         finally:
-            if self.tree.n == 0:
+            if self.tree is not None and self.tree.n == 0:
                 self.tree = None
 
     @torch.no_grad()
@@ -229,7 +240,7 @@ class TreeModel:
         return self._grow(tokens, parents, logits_for)
 
     def _grow(self, tokens, parents, logits_for):
-        device, cache, tree = self.device, self.cache, self.tree
+        device, cache, tree = self.device, self._cache, self.tree
         tokens = torch.as_tensor(tokens, device=device)
         parents = parents.cpu().numpy() if isinstance(parents, torch.Tensor) else parents
         if tokens.dim() != 2 or tokens.shape[0] != cache.batch or torch.Size(
@@ -237,15 +248,19 @@ class TreeModel:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents must both be (batch={cache.batch}, T)")
         R = tokens.shape[1]
         if logits_for is not None:
-            logits_for = torch.as_tensor(logits_for).long().reshape(-1)
-            if logits_for.numel() and not 0 <= int(logits_for.min()) <= int(logits_for.max()) < R:
-                raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for.tolist()}")
+            logits_for = [int(i) for i in (logits_for.reshape(-1).tolist() if isinstance(logits_for, torch.Tensor)
+                                           else logits_for)]
+            if any(not 0 <= i < R for i in logits_for):
+                raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for}")
         start, end = tree.add(parents)  # raises ValueError unless topological
         try:
             width = max(R, self.pass_width or 0)
             if start + width > tree.capacity:
                 tree.reserve(max(start + width, 2 * tree.capacity))
             self.nodes = tree.capacity  # later trees start with as many slots
+            if self._pending is not None and (self._pending[0].shape[1] != tree.capacity or (
+                    cache.capacity is not None and cache.length + tree.capacity > cache.capacity)):
+                self._apply_pending()  # buffers are about to grow: the commit, shaped for the old ones, goes first
             for layers, _ in self._layers.values():
                 layers.reserve(tree.capacity)
             cache.reserve(cache.length + tree.capacity)
@@ -255,15 +270,20 @@ class TreeModel:
                 tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
             inputs = tree.pass_inputs(start, width, cache.length, device)
             inputs["levels"] = self._level_positions(start, width) if self._sequential else ()
-            head_rows = torch.arange(R) if logits_for is None else logits_for
-            K = head_rows.shape[0]
+            head_rows = list(range(R)) if logits_for is None else logits_for
+            K = len(head_rows)
             if self.pass_width is not None and K < width:  # fixed shapes: the LM head always takes `width` rows
-                head_rows = torch.cat([head_rows, head_rows.new_zeros(width - K)])
+                head_rows = head_rows + [0] * (width - K)
             for i, forward in self._forwards.items():
                 self.mixers[i].forward = forward
+            pending, self._pending = self._pending, None
             try:
-                logits = self.run(tokens, inputs, head_rows.to(device))
+                logits = self.run(tokens, inputs, torch.tensor(head_rows, dtype=torch.long, device=device), pending)
                 self._structure = (inputs["parents"], inputs["mask"], inputs["windows"])
+            except BaseException:
+                if pending is not None:  # whether the commit was applied is unknown: the state is lost
+                    self._cache = self.tree = None
+                raise
             finally:
                 for mixer in self.mixers.values():
                     del mixer.forward
@@ -290,10 +310,12 @@ class TreeModel:
         flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
         return flat.split([len(level) for level in levels])
 
-    def _run(self, tokens, inputs, head_rows):
-        """The device part of a pass (no host sync, shapes fixed by the slots and pass width). Returns logits
-        (batch, len(head_rows), vocab)."""
-        cache, rows = self.cache, inputs["rows"]
+    def _run(self, tokens, inputs, head_rows, pending):
+        """The device part of a pass (no host sync, shapes fixed by the slots and pass width), after the pending
+        commit's (the arguments of _commit, or None). Returns logits (batch, len(head_rows), vocab)."""
+        if pending is not None:
+            self._commit(*pending)
+        cache, rows = self._cache, inputs["rows"]
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         kwargs = dict(position_ids=inputs["positions"])
         if self.uses_attention:
@@ -316,8 +338,9 @@ class TreeModel:
         """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
         in place); buffers are reallocated only when they grow, which recompiles anyway."""
         adapters = {id(a): a for a, _ in self._layers.values()}.values()
-        tensors = [*self.cache.keys.values(), *self.cache.values.values()]
-        tensors += [t for g in self.cache.groups for t in (g.conv, g.recurrent) if t is not None]
+        cache = self._cache
+        tensors = [*cache.keys.values(), *cache.values.values()]
+        tensors += [t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None]
         tensors += [t for a in adapters for t in vars(a).values() if isinstance(t, torch.Tensor)]
         for t in tensors:
             torch._dynamo.mark_static_address(t)
@@ -325,8 +348,8 @@ class TreeModel:
     def _tree_forward_of(self, layer_idx):
         def forward(hidden_states, *args, **kwargs):
             layers, j = self._layers[layer_idx]
-            return layers.forward(j, hidden_states, self._pass, self.cache.conv[layer_idx],
-                                  self.cache.recurrent[layer_idx])
+            return layers.forward(j, hidden_states, self._pass, self._cache.conv[layer_idx],
+                                  self._cache.recurrent[layer_idx])
         return forward
 
     def logits(self, hidden):
@@ -339,11 +362,11 @@ class TreeModel:
         """Make the state equal to the committed sequence + path(nodes[b]) of the current tree, in place.
 
         nodes (batch,) ints (tensor or list), -1 = keep only the committed sequence. Every row must accept a path
-        of the same length.
+        of the same length. The host part (length, checks) happens now, the device part with the next pass.
         """
         if self.tree is None:
             raise RuntimeError("no tree to commit: call tree_forward() first")
-        tree, cache = self.tree, self.cache
+        tree, cache = self.tree, self._cache
         nodes = nodes.reshape(-1).tolist() if isinstance(nodes, torch.Tensor) else [int(n) for n in nodes]
         if len(nodes) != cache.batch or any(not -1 <= n < tree.n for n in nodes):
             raise ValueError(f"nodes must hold {cache.batch} node ids in [-1, {tree.n}), got {nodes}")
@@ -361,7 +384,7 @@ class TreeModel:
                                  np.tile(destinations, cache.batch)])
         flat = torch.from_numpy(packed).to(self.device)
         moves = flat[cache.batch:].view(2, cache.batch, width)
-        self.commit_run(*self._structure, flat[:cache.batch], moves)
+        self._pending = (*self._structure, flat[:cache.batch], moves)
         cache.length += n
         self.tree = self._structure = None
 
@@ -373,7 +396,7 @@ class TreeModel:
         index = TreeIndex.prebuilt(parents, mask, windows)
         for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
             layers.commit(index, nodes)
-        self.cache.move_positions(moves[0], moves[1])
+        self._cache.move_positions(moves[0], moves[1])
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
