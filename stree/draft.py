@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import gumbel_top_k
+from .sampling import draw_without_replacement
 from .tree import static_parents
 
 
@@ -194,7 +194,7 @@ class _Growth:
         else:
             probs = log_q.exp()
             self.probs.update(zip(nodes, probs))
-            picked, valid = gumbel_top_k(probs, k, self.generator)
+            picked, valid = draw_without_replacement(probs, k, self.generator)
             values = log_q.gather(-1, picked)
         host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
         self.transfers += 1

@@ -68,16 +68,24 @@ def sample(probs, generator=None):
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def gumbel_top_k(probs, k, generator=None):
-    """k distinct token ids per row drawn one after another from probs (..., vocab), each renormalised over the rest.
-
-    Gumbel-top-k: the order of log p + Gumbel noise is distributed as sequential sampling without replacement.
-    The noise is drawn on the CPU, where `generator` lives. Returns (ids (..., k) int64, valid (..., k) float 0/1):
-    a row with fewer than k non-zero entries marks the extra draws invalid.
-    """
+def draw_without_replacement(probs, k, generator=None):
+    """k distinct token ids per row drawn one after another from probs (..., vocab), each from the tokens not yet
+    drawn, renormalised: sequential sampling without replacement, by inverse CDF (k uniforms per row, drawn on the
+    CPU, where `generator` lives; a Gumbel-top-k draw would need a uniform per token). Returns (ids (..., k) int64,
+    valid (..., k) 0/1 in probs' dtype): a row with fewer than k non-zero entries marks the extra draws invalid."""
     k = min(k, probs.shape[-1])
-    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype).clamp_(min=1e-300).to(probs.device)
-    keys = probs.log() - (-uniform.log()).log()
-    top = keys.topk(k, dim=-1)
-    return top.indices, (top.values != float("-inf")).to(probs.dtype)
-
+    left = probs.reshape(-1, probs.shape[-1]).clone()                          # (rows, vocab): mass not yet drawn
+    uniforms = torch.rand(left.shape[0], k, generator=generator, dtype=probs.dtype).to(probs.device)
+    zero = left.new_zeros(())
+    ids, valid = [], []
+    for j in range(k):
+        cdf = left.cumsum(-1)
+        total = cdf[:, -1:]
+        # below the total, so the first cdf entry above it belongs to a token with mass (if the row has any left)
+        target = torch.minimum(uniforms[:, j:j + 1] * total, torch.nextafter(total, zero))
+        pick = torch.searchsorted(cdf, target, right=True).clamp_(max=left.shape[-1] - 1)
+        ids.append(pick)
+        valid.append(total > 0)
+        left.scatter_(-1, pick, 0.0)
+    shape = (*probs.shape[:-1], k)
+    return torch.cat(ids, -1).view(shape), torch.cat(valid, -1).to(probs.dtype).view(shape)

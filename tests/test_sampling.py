@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 import stree
 from stree.models import tiny_model
-from stree.sampling import Sampler, gumbel_top_k
+from stree.sampling import Sampler, draw_without_replacement
 from stree.verify import verify_sampling
 from stats import assert_matches, chi_square, chi_square_critical
 
@@ -43,7 +43,7 @@ def test_min_new_tokens_bans_eos_like_hf():
 
 
 def sample_without_replacement(probs, k, g):
-    ids, valid = gumbel_top_k(probs, k, g)
+    ids, valid = draw_without_replacement(probs, k, g)
     return [t for t, ok in zip(ids.tolist(), valid.tolist()) if ok]
 
 
@@ -58,8 +58,23 @@ def test_sampling_without_replacement_is_sequential():
              if a != b and probs[a] > 0 and probs[b] > 0}
     assert_matches(counts, exact)
     assert sample_without_replacement(probs, 9, g).__len__() == 4  # only 4 tokens have mass
-    rows = gumbel_top_k(torch.stack([probs, probs.flip(0)]), 3, g)[0]  # batched rows draw independently
+    rows = draw_without_replacement(torch.stack([probs, probs.flip(0)]), 3, g)[0]  # batched rows draw independently
     assert rows.shape == (2, 3) and set(rows[1].tolist()) <= {1, 2, 3, 4}
+
+
+def test_three_draws_skip_tokens_without_mass():
+    """Triples from a distribution with zeros between its tokens (as top-k / top-p leave it), rows batched."""
+    probs = torch.tensor([0.3, 0.0, 0.4, 0.2, 0.0, 0.1], dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    counts = {}
+    for _ in range(4000):
+        ids, valid = draw_without_replacement(torch.stack([probs, torch.zeros(6, dtype=torch.float64)]), 3, g)
+        assert valid[1].tolist() == [0.0, 0.0, 0.0] and valid[0].tolist() == [1.0, 1.0, 1.0]
+        counts[tuple(ids[0].tolist())] = counts.get(tuple(ids[0].tolist()), 0) + 1
+    support = [0, 2, 3, 5]
+    exact = {(a, b, c): float(probs[a] * probs[b] / (1 - probs[a]) * probs[c] / (1 - probs[a] - probs[b]))
+             for a, b, c in itertools.permutations(support, 3)}
+    assert_matches(counts, exact)
 
 
 class SyntheticLM:
