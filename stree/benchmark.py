@@ -40,7 +40,9 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
         tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
         agreement (greedy: mean number of leading tokens equal to HF's output, and whether all are equal).
-    With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`.
+    With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`. Sampling
+    draws from the global RNG, seeded before each run, as when a user passes no generator (so the default tree
+    sizes itself from measured costs; with a generator it keeps its fixed shape).
     """
     device = prompts[0].device
     n_tokens = len(prompts) * max_new_tokens
@@ -51,7 +53,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
 
     def run(name):
         spec, outs = methods[name], []
-        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
         _sync(device)
         start = time.perf_counter()
         for prompt in prompts:
@@ -60,7 +62,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             else:
                 kwargs = dict(tree=spec) if spec != "ar" else {}
                 outs.append(generate(target, prompt, draft_model=None if spec == "ar" else draft,
-                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=g,
+                                     max_new_tokens=max_new_tokens, temperature=temperature,
                                      return_stats=True, compile=compile, **kwargs))
         _sync(device)
         return time.perf_counter() - start, outs

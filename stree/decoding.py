@@ -196,7 +196,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     # Timing-driven sizes would make seeded samples irreproducible: with a generator, sampled trees stay fixed.
     if not done and getattr(spec, "adaptive", False) and (sampler.greedy or generator is None):
         kept = model.__dict__.setdefault("_stree_costs", {})
-        key = (id(draft_model), spec, bool(compile), str(model.dtype))
+        key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy)  # acceptance differs
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
                 kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, draft_width, spec.frontier, root)

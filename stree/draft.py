@@ -187,15 +187,15 @@ class _Growth:
         self.passed = len(self.tokens)
         self.passes += 1
         generated = torch.tensor([self.generated + self.depth[n] for n in nodes], device=device)
-        log_q = self.sampler.scores(logits, generated).log_softmax(-1)                    # (K, vocab) float64
+        scores = self.sampler.scores(logits, generated)                                   # (K, vocab) float64
         if self.sampler.greedy:
-            values, picked = log_q.topk(k, dim=-1)
+            values, picked = scores.log_softmax(-1).topk(k, dim=-1)
             valid = torch.ones_like(values)
         else:
-            probs = log_q.exp()
+            probs = scores.softmax(-1)
             self.probs.update(zip(nodes, probs))
             picked, valid = draw_without_replacement(probs, k, self.generator)
-            values = log_q.gather(-1, picked)
+            values = probs.gather(-1, picked).log()
         host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
         self.transfers += 1
         return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
