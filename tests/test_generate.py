@@ -227,9 +227,8 @@ def test_fixed_shape_compiled_passes_equal_hf():
         assert torch.equal(out, hf_greedy(target, prompt, 24))
         if prompt.shape[1] == 5:
             frames = counts["stats"]["unique_graphs"]
-    # Per model (target, draft): a graph at its first node count, one with the count dynamic once it changes,
-    # dynamo's own specialisation of a 1-row pass (the adaptive tree's calibration times 1-node passes), and the
-    # commit's one graph.
+    # Per model (target, draft): a graph at its first node count and one with the count dynamic once it changes,
+    # with and without a commit to run first (a first pass after a prefill has none, nor do extend passes).
     assert 4 <= frames <= 8
     assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
     sampled = stree.generate(target, prompts([4])[0], draft_model=draft, max_new_tokens=16, temperature=1.0,

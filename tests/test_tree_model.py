@@ -159,6 +159,31 @@ def test_commits_applied_by_the_next_pass_equal_sequential_decoding(family, monk
     assert_cache_is_after(tm, model, prompt, fed, hf_tol(family))
 
 
+def test_compiled_tree_model_runs_a_first_one_node_pass_on_its_dynamic_graph():
+    """Once the node count is dynamic, a first 1-node pass or 1-row LM head (which dynamo would specialise and
+    compile anew mid-generation) runs padded on the dynamic graph: no new graph, the same logits as eager passes."""
+    import torch._dynamo
+    model = tiny_model("bamba", dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(13))
+    eager, compiled = TreeModel(model, nodes=8), TreeModel(model, nodes=8).compile(backend="aot_eager")
+    counts = torch._dynamo.utils.counters
+    trees = [([1, 2, 3], [-1, 0, 0], None), ([4, 5, 6, 7, 8], [-1, 0, 1, 1, 0], [2, 4]), ([9], [-1], None),
+             ([10, 11], [-1, 0], [1])]
+    for n, tm in enumerate((eager, compiled)):
+        tm.prefill(prompt)
+        got = []
+        for k, (tokens, parents, rows) in enumerate(trees):
+            if n == 1 and k == 2:
+                graphs = counts["stats"]["unique_graphs"]
+            got.append(tm.tree_forward([tokens], [parents], logits_for=rows)[0])
+            tm.commit([0])
+        if n == 0:
+            want = got
+    assert counts["stats"]["unique_graphs"] == graphs
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     """A forward that fails after the attention layer appended K/V (bamba: mamba, attention, mamba) is rolled back:
     extending again gives the one-pass logits and the commit still equals sequential decoding."""

@@ -119,6 +119,7 @@ class TreeModel:
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
+        self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._cache = None
         self.tree = None       # HostTree of the uncommitted tree
         self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
@@ -202,6 +203,11 @@ class TreeModel:
         extra = dict(options.pop("options", {}))
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
+        if self.pass_width is None and self.nodes > 1:
+            # A dynamic dimension is still specialised at size 1: a first one-node pass or one-row LM head, rare in a
+            # tree model, would compile again mid-generation (measured: ~5 s inside a 3 s benchmark run). Padding
+            # such passes to two rows keeps them on the dynamic graph.
+            self._min_rows = 2
         self.run = torch.compile(_own_copy(self._run), options=extra, **options)
         return self
 
@@ -254,7 +260,7 @@ class TreeModel:
                 raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for}")
         start, end = tree.add(parents)  # raises ValueError unless topological
         try:
-            width = max(R, self.pass_width or 0)
+            width = max(R, self.pass_width or self._min_rows)
             if start + width > tree.capacity:
                 tree.reserve(max(start + width, 2 * tree.capacity))
             self.nodes = tree.capacity  # later trees start with as many slots
@@ -272,8 +278,9 @@ class TreeModel:
             inputs["levels"] = self._level_positions(start, width) if self._sequential else ()
             head_rows = list(range(R)) if logits_for is None else logits_for
             K = len(head_rows)
-            if self.pass_width is not None and K < width:  # fixed shapes: the LM head always takes `width` rows
-                head_rows = head_rows + [0] * (width - K)
+            rows = width if self.pass_width is not None else self._min_rows  # fixed shapes: always `width` rows
+            if K < rows:
+                head_rows = head_rows + [0] * (rows - K)
             for i, forward in self._forwards.items():
                 self.mixers[i].forward = forward
             pending, self._pending = self._pending, None
