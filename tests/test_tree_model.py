@@ -213,6 +213,30 @@ def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     assert_cache_is_after(tm, model, prompt, [tokens[k] for k in path_to(parents, 7)])
 
 
+def test_a_failed_pass_that_grew_the_tree_still_commits(monkeypatch):
+    """An extend() that grows the node slots and then fails leaves a tree with more slots than its last good pass
+    saw: committing one of its nodes still gives HF's sequential decoding (logits and state)."""
+    from stree.models.mamba2 import Mamba2Layers
+    model = tiny_model("bamba", dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
+    tm = TreeModel(model, nodes=4)
+    tm.prefill(prompt)
+    tm.tree_forward([[3, 4]], [[-1, 0]])
+
+    def failing(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Mamba2Layers, "forward", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        tm.extend([[5] * 10], [[1] + list(range(2, 11))])  # 12 nodes: more than the 4 slots
+    monkeypatch.undo()
+    tm.commit([1])
+    got = tm.tree_forward([[9]], [[-1]])[0, 0]
+    torch.testing.assert_close(got, decode_sequentially(model, prompt, [3, 4, 9])[0])
+    tm.commit([0])
+    assert_cache_is_after(tm, model, prompt, [3, 4, 9])
+
+
 def test_a_failed_pass_after_a_commit_asks_for_a_new_prefill(monkeypatch):
     """A pass that fails while it carries the previous commit's device part leaves the state unknown: the model
     says so (prefill again) instead of decoding on from a state that may or may not include the commit."""

@@ -120,6 +120,7 @@ class TreeModel:
         self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
         self.nodes, self.pass_width = nodes, pass_width
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
+        self._compiled = False
         self._cache = None
         self.tree = None       # HostTree of the uncommitted tree
         self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
@@ -139,8 +140,12 @@ class TreeModel:
         """Run the pending commit's device part now (eagerly) rather than with the next pass."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            with torch.no_grad():
-                self._commit(*pending)
+            try:
+                with torch.no_grad():
+                    self._commit(*pending)
+            except BaseException:  # whether it was applied is unknown: the state is lost
+                self._cache = self.tree = None
+                raise
 
     @property
     def length(self):
@@ -166,7 +171,7 @@ class TreeModel:
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
         logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1, **kwargs).logits
         capacity = max(max_length or 0, P + DEFAULT_RESERVE)
-        if self.pass_width is not None or self.run is not self._run:  # compiled: round the buffers up so that
+        if self.pass_width is not None or self._compiled:  # compiled: round the buffers up so that
             # most prompts share them (and the compilation)
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = StateCache.from_hf(hf_cache, P, capacity)
@@ -209,6 +214,7 @@ class TreeModel:
             # such passes to two rows keeps them on the dynamic graph.
             self._min_rows = 2
         self.run = torch.compile(_own_copy(self._run), options=extra, **options)
+        self._compiled = True
         return self
 
     @torch.no_grad()
@@ -307,7 +313,7 @@ class TreeModel:
         and with fixed shapes each level is padded to the widest it has been by repeating its own positions:
         recomputing a node whose parent is final is idempotent."""
         levels = self.tree.levels(start, width)
-        if self.run is not self._run or self.pass_width is not None:
+        if self._compiled or self.pass_width is not None:
             widths = self._level_widths
             widths += [1] * (len(levels) - len(widths))
             sizes = [len(levels[s]) if s < len(levels) else 1 for s in range(len(widths))]
@@ -391,7 +397,11 @@ class TreeModel:
                                  np.tile(destinations, cache.batch)])
         flat = torch.from_numpy(packed).to(self.device)
         moves = flat[cache.batch:].view(2, cache.batch, width)
-        self._pending = (*self._structure, flat[:cache.batch], moves)
+        structure = self._structure
+        if structure[0].shape[1] != width:  # a failed pass grew the tree (and the buffers) after the last good one
+            grown = tree.pass_inputs(0, 0, cache.length, self.device)
+            structure = (grown["parents"], grown["mask"], grown["windows"])
+        self._pending = (*structure, flat[:cache.batch], moves)
         cache.length += n
         self.tree = self._structure = None
 
