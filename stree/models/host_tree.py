@@ -26,14 +26,14 @@ class HostTree:
     def _alloc(self, capacity):
         """(Re)allocate for `capacity` node slots, keeping the first n nodes. Slots past n may hold anything: add()
         writes every column of a node's rows."""
-        old = (self._parents, self._mask, self._depth, self._windows) if hasattr(self, "_parents") else None
+        old = vars(self).copy() if hasattr(self, "_parents") else None
         batch, C = self.batch, capacity
         shapes = [(batch, C), (batch, C, C)] + [(batch, C, width) for width, _ in self.window_keys]
-        self._structure = np.zeros(sum(int(np.prod(s)) for s in shapes), dtype=np.int64)  # what a pass copies
+        self._packed = np.zeros(sum(int(np.prod(s)) for s in shapes), dtype=np.int64)  # what a pass copies
         views, offset = [], 0
         for shape in shapes:
             size = int(np.prod(shape))
-            views.append(self._structure[offset:offset + size].reshape(shape))
+            views.append(self._packed[offset:offset + size].reshape(shape))
             offset += size
         self._parents, self._mask = views[0], views[1]
         self._windows = dict(zip(self.window_keys, views[2:]))
@@ -41,10 +41,10 @@ class HostTree:
         self._depth = np.zeros((batch, C), dtype=np.int64)
         if old is not None:
             n = self.n
-            self._parents[:, :n], self._mask[:, :n, :n], self._depth[:, :n] = old[0][:, :n], old[1][:, :n, :n], \
-                old[2][:, :n]
+            self._parents[:, :n], self._depth[:, :n] = old["_parents"][:, :n], old["_depth"][:, :n]
+            self._mask[:, :n, :n] = old["_mask"][:, :n, :n]
             for key in self.window_keys:
-                self._windows[key][:, :n] = old[3][key][:, :n]
+                self._windows[key][:, :n] = old["_windows"][key][:, :n]
         self.capacity = capacity
 
     @property
@@ -131,7 +131,7 @@ class HostTree:
         positions[:, :real] += self._depth[:, start:start + real]
         header = np.concatenate([np.arange(start, start + width), positions.reshape(-1), [length]])
         # one fresh array (so what the device sees never changes with the tree), one transfer
-        flat = torch.from_numpy(np.concatenate([header, self._structure])).to(device)
+        flat = torch.from_numpy(np.concatenate([header, self._packed])).to(device)
         out, offset = {}, 0
         for name, size in (("rows", width), ("positions", batch * width), ("length", 1),
                            ("parents", batch * capacity), ("mask", batch * capacity * capacity)):
