@@ -121,7 +121,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         eos_token_id: int or list of ints that end generation (kept in the output); None = the target's
             generation_config.eos_token_id, as HF's generate does.
         tree: stree.DynamicTree(adaptive=True) by default (at most 16 draft nodes over 6 levels, each round as
-            many as measured costs say pay; a seeded `generator` keeps sampled trees at their fixed shape); a static
+            many as measured costs say pay, and no drafting at all, a plain decoding step, in rounds whose context
+            has not paid lately; a seeded `generator` keeps sampled trees at their fixed shape); a static
             branching tuple (tree[d] children per node at depth d; (1, 1, 1, 1) is vanilla speculative decoding), or
             stree.DynamicTree(...) / stree.BeamTree(...) (beam trees: greedy only).
         return_stats: also return a GenerationStats.
@@ -171,11 +172,25 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         scores = sampler.scores(logits, len(generated))
         return int(scores.argmax()) if sampler.greedy else sample(scores.softmax(-1), generator)
 
+    def step():
+        """One plain decoding step of the target (the autoregressive loop's, and a paced round's): the next token
+        after generated[-1], which the target's cache does not hold yet, is picked and generated[-1] committed."""
+        with clock("verify_time"):
+            token = pick(target.tree_forward([[generated[-1]]], [[-1]])[0, 0])
+        with clock("commit_time"):
+            target.commit([0])
+        stats.target_passes += 1
+        stats.tree_sizes.append(1)
+        stats.tokens_per_pass.append(1)
+        return token
+
     done = max_new_tokens == 0
+    # Timing-driven sizes would make seeded samples irreproducible: with a generator, sampled trees stay fixed.
+    adaptive = getattr(spec, "adaptive", False) and (sampler.greedy or generator is None)
     if not done:
-        target_nodes, draft_nodes, draft_width = tree_shapes(spec) if spec is not None else (1, 1, 1)
+        target_nodes, draft_nodes, draft_width = tree_shapes(spec, paced=adaptive) if spec is not None else (1, 1, 1)
         max_length = input_ids.shape[1] + max_new_tokens + draft_nodes
-        target = _tree_model(model, compile, target_nodes, target_nodes)
+        target = _tree_model(model, compile, target_nodes, target_nodes, pad_single=not adaptive)
         with clock("prefill_time"):
             root = pick(target.prefill(input_ids, max_length=max_length)[0])
             if draft_model is not None:
@@ -184,25 +199,29 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         done = emit([root])
         trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree
     while not done and draft_model is None:  # stree's own autoregressive decoding: one node per pass
-        with clock("verify_time"):
-            token = pick(target.tree_forward([[generated[-1]]], [[-1]])[0, 0])
-        with clock("commit_time"):
-            target.commit([0])
-        stats.target_passes += 1
-        stats.tree_sizes.append(1)
-        stats.tokens_per_pass.append(1)
-        done = emit([token])
+        done = emit([step()])
     costs = None  # what adaptive trees decide their size with: kept on the target across calls
-    # Timing-driven sizes would make seeded samples irreproducible: with a generator, sampled trees stay fixed.
-    if not done and getattr(spec, "adaptive", False) and (sampler.greedy or generator is None):
+    if not done and adaptive:
         kept = model.__dict__.setdefault("_stree_costs", {})
         key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy)  # acceptance differs
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
                 kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, draft_width, spec.frontier, root)
         costs = kept[key]
+    # Paced rounds (adaptive trees): a round whose context has not paid lately is one plain step instead, at most
+    # `max_steps` in a row (the draft then takes the skipped tokens in its next pass, within one pass's width).
+    hit, steps = True, 0  # the round's context: whether the last speculative round accepted a draft, steps since
+    max_steps = 0 if costs is None else draft_width - 2
     while not done:
         round_start, spent = time.perf_counter(), (stats.draft_time, stats.verify_time)
+        context = (hit, steps)
+        if steps < max_steps and not costs.speculates(context):
+            token = step()
+            trunk.append(token)
+            steps += 1
+            costs.note_step(context, time.perf_counter() - round_start)
+            done = emit([token])
+            continue
         with clock("draft_time"):
             drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator, costs)
         stats.draft_passes += drafted.passes
@@ -234,8 +253,11 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             trunk = [tokens[n] for n, index in zip(accepted, path) if index < 0] + [bonus]
         draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
         if costs is not None:
-            costs.update(draft_s, drafted.passes, verify_s, len(tokens), time.perf_counter() - round_start - draft_s
-                         - verify_s, len(accepted) - 1, drafted.expected)
+            round_s = time.perf_counter() - round_start
+            costs.update(draft_s, drafted.passes, verify_s, len(tokens), round_s - draft_s - verify_s,
+                         len(accepted) - 1, drafted.expected)
+            costs.note_round(context, len(accepted), round_s)
+            hit, steps = len(accepted) > 1, 0
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(generated)
@@ -245,11 +267,16 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
 
 
 def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, token):
-    """Start the adaptive tree's cost model: time target passes of 1 and `target_nodes` nodes and a draft pass of
-    `draft_width` nodes (LM head on `draft_rows`), each the faster of two runs; both states are left unchanged."""
-    def seconds(model, n, **kwargs):
+    """Start the adaptive tree's cost model: time target passes of 1 and `target_nodes` nodes, a draft pass of
+    `draft_width` nodes (LM head on `draft_rows`) and a plain step (a one-node target pass carrying the last
+    commit, here an empty one), each the faster of two runs; both states are left unchanged. Compiled, this also
+    compiles the one-node passes that paced rounds take."""
+    def seconds(model, n, carrying=False, **kwargs):
         best = float("inf")
         for _ in range(2):
+            if carrying:
+                model.tree_forward([[token]], [[-1]])
+                model.commit([-1])
             start = time.perf_counter()
             model.tree_forward([[token] * n], [[-1] * n], **kwargs)[0, 0].tolist()
             model.discard()
@@ -260,20 +287,22 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
     costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))
     costs.verify = one - costs.verify_node
     costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
+    costs.step = seconds(target, 1, carrying=True)
     return costs
 
 
-def _tree_model(model, compile, nodes, pass_width):
+def _tree_model(model, compile, nodes, pass_width, pad_single=True):
     """A TreeModel of `model`: a new eager one, or with compile (True or torch.compile options) the compiled one
     kept on the model for these shapes and options (so compilation is paid once per model and tree shape). On
     CUDA every pass is padded to `pass_width` nodes (one CUDA graph per shape: extra rows cost a GPU almost
-    nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension."""
+    nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension (pad_single: see
+    TreeModel.compile; adaptive trees' targets run one-node passes unpadded, warmed up by _calibrate)."""
     if not compile:
         return TreeModel(model, nodes=nodes)
     options = {} if compile is True else dict(compile)
     width = pass_width if model.device.type == "cuda" else None
     kept = model.__dict__.setdefault("_stree_compiled", {})
-    key = (nodes, width, repr(sorted(options.items())))  # repr: option values may be dicts (options={...})
+    key = (nodes, width, pad_single, repr(sorted(options.items())))  # repr: option values may be dicts
     if key not in kept:
-        kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(**options)
+        kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(pad_single=pad_single, **options)
     return kept[key]

@@ -75,11 +75,12 @@ def tree_spec(tree):
     return StaticTree(tuple(tree))
 
 
-def tree_shapes(spec):
+def tree_shapes(spec, paced=False):
     """Upper bounds of what one round builds with `spec`, for fixed-shape passes:
     (target tree nodes, draft node slots, new draft nodes per pass). The draft's trunk (its first pass) holds at
     most 2 tokens: every drafted node but the last level is fed to the draft, so at most one accepted node is
-    not in its cache, plus the bonus token."""
+    not in its cache, plus the bonus token; paced (adaptive rounds that may be plain steps, at most
+    new-nodes-per-pass - 2 in a row): as many as a pass's new nodes."""
     if isinstance(spec, StaticTree):
         levels, width = [], 1
         for b in spec.branching:
@@ -92,7 +93,7 @@ def tree_shapes(spec):
         grown, per_pass = spec.beams * spec.steps, spec.beams
     target_nodes = 1 + (min(grown, spec.budget) if isinstance(spec, DynamicTree) else grown)
     per_pass = max(per_pass, 2)
-    return target_nodes, 2 + grown + per_pass, per_pass
+    return target_nodes, (per_pass if paced else 2) + grown + per_pass, per_pass
 
 
 @dataclass
@@ -107,6 +108,8 @@ class RoundCosts:
     other: float = 0.0
     calibration: float = 1.0
     decay: float = 0.8
+    step: float = 0.0     # seconds of a plain decoding step (one target node, no drafting); 0 = not measured yet
+    paced: dict = field(default_factory=dict)  # round context (None: all) -> [weight, tokens, seconds]
 
     @property
     def known(self):
@@ -133,11 +136,57 @@ class RoundCosts:
         the draft tokens accepted against the draft's expectation for the tree it sent."""
         mix = 1.0 - self.decay
         if passes:
-            self.draft += mix * (draft_seconds / passes - self.draft)
-        self.verify += mix * (verify_seconds - self.verify - self.verify_node * nodes)  # drift goes to the base
-        self.other += mix * (other_seconds - self.other)
+            self.draft += mix * (_bounded(draft_seconds / passes, self.draft) - self.draft)
+        base = self.verify + self.verify_node * nodes
+        self.verify += mix * (_bounded(verify_seconds, base) - base)  # drift goes to the base
+        self.other += mix * (_bounded(other_seconds, self.other) - self.other)
         ratio = (accepted + 0.5) / (expected + 0.5)
         self.calibration = min(2.0, max(0.1, self.calibration + mix * (ratio - self.calibration)))
+
+    # Pacing: whether a round drafts at all. Acceptance runs in streaks (after a round that accepted no draft token
+    # the next one often accepts none either), so a speculative round's yield is tracked per context: (whether the
+    # last speculative round accepted a draft token, plain steps taken since). A round speculates unless its
+    # context's expected tokens per second fall below a plain step's. A context's expectation is its own rounds'
+    # figures shrunk towards those of all rounds (PACE_PRIOR rounds' worth), so a context seen a few times is judged
+    # mostly by the pooled figures; each plain step taken instead fades its own evidence (PACE_FADE), so a context
+    # once found wanting is tried again after a while.
+    PACE_MEMORY = 0.95  # weight of a context's past rounds when a new one comes in
+    PACE_PRIOR = 2.0
+    PACE_FADE = 0.9
+
+    def speculates(self, context):
+        """Whether a round in `context` should draft (else: one plain decoding step of the target)."""
+        pooled = self.paced.get(None)
+        if pooled is None or self.step <= 0.0:
+            return True
+        weight, tokens, seconds = self.paced.get(context, (0.0, 0.0, 0.0))
+        prior = self.PACE_PRIOR / pooled[0]
+        tokens, seconds = tokens + prior * pooled[1], seconds + prior * pooled[2]
+        return tokens * self.step >= seconds
+
+    def note_round(self, context, tokens, seconds):
+        """Fold in a speculative round started in `context` that emitted `tokens` in `seconds`."""
+        pooled = self.paced.get(None)
+        if pooled is not None:
+            seconds = _bounded(seconds, pooled[2] / pooled[0])
+        for key in (context, None):
+            seen = self.paced.setdefault(key, [0.0, 0.0, 0.0])  # weight, weighted tokens, weighted seconds
+            for i, value in enumerate((1.0, tokens, seconds)):
+                seen[i] = self.PACE_MEMORY * seen[i] + value
+
+    def note_step(self, context, seconds):
+        """Fold in a plain decoding step of `seconds` taken in `context`."""
+        self.step = seconds if self.step <= 0.0 else self.step + (1.0 - self.decay) * (
+            _bounded(seconds, self.step) - self.step)
+        if context in self.paced:
+            self.paced[context] = [self.PACE_FADE * v for v in self.paced[context]]
+
+
+def _bounded(seconds, estimate):
+    """A timing sample capped at twice the current estimate (if any): a one-off stall (a compilation, the OS)
+    must not steer the cost model for dozens of rounds, while real drifts still come through, doubled at most
+    per sample."""
+    return min(seconds, 2.0 * estimate) if estimate > 0.0 else seconds
 
 
 @dataclass

@@ -130,3 +130,37 @@ def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_mos
     fixed = reference_dynamic(model, prompt[0].tolist() + [5], DynamicTree(budget=9, depth=drafted.passes, top_k=3,
                                                                            frontier=2))
     assert kept <= fixed
+
+
+def test_pacing_follows_measured_rates_and_retries_contexts():
+    """RoundCosts' pacing: before any round everything speculates; a context whose rounds yield fewer tokens per
+    second than a plain step stops speculating once its own evidence outweighs the pooled figures, and plain steps
+    taken in it fade that evidence, so it speculates again while speculation pays overall; when no round pays,
+    nothing speculates however long, until steps get dearer."""
+    from stree.draft import RoundCosts
+    costs = RoundCosts(step=1.0)
+    assert costs.speculates((True, 0))
+    for _ in range(5):
+        costs.note_round((True, 0), tokens=4, seconds=2.0)  # 2 tokens/s against a step's 1
+    costs.note_round((False, 0), tokens=1, seconds=2.0)     # 0.5 tokens/s, once: the pooled figures still win
+    assert costs.speculates((False, 0))
+    for _ in range(10):
+        costs.note_round((False, 0), tokens=1, seconds=2.0)
+    for _ in range(20):
+        costs.note_round((True, 0), tokens=4, seconds=2.0)
+    assert not costs.speculates((False, 0)) and costs.speculates((True, 0)) and costs.speculates((False, 3))
+    steps = 0
+    while not costs.speculates((False, 0)):
+        costs.note_step((False, 0), seconds=1.0)
+        steps += 1
+    assert 3 <= steps <= 40
+    slow = RoundCosts(step=1.0)
+    for context in ((True, 0), (False, 0)):
+        for _ in range(3):
+            slow.note_round(context, tokens=1, seconds=3.0)
+    for _ in range(100):
+        slow.note_step((False, 0), seconds=1.0)
+        assert not slow.speculates((False, 0)) and not slow.speculates((True, 0))
+    for _ in range(10):
+        slow.note_step((False, 0), seconds=5.0)  # steps got dearer than rounds: rounds pay again
+    assert slow.speculates((False, 0)) and slow.speculates((True, 0))

@@ -65,6 +65,38 @@ def test_long_output_any_tree(tree):
     assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=300, tree=tree), want)
 
 
+def random_pacing(monkeypatch, seed, trunks=None):
+    """Make adaptive rounds speculate or take a plain step at random (seeded; a choice made before the round, as
+    the measured rule's is), and record each speculative round's draft trunk length in `trunks`."""
+    import random
+
+    import stree.decoding as decoding
+    from stree.draft import RoundCosts
+    coin = random.Random(seed)
+    monkeypatch.setattr(RoundCosts, "speculates", lambda self, context: coin.random() < 0.4)
+    if trunks is not None:
+        original = decoding.draft_tree
+        monkeypatch.setattr(decoding, "draft_tree", lambda draft, trunk, *a: trunks.append(len(trunk)) or
+                            original(draft, trunk, *a))
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba2", "jamba", "qwen3_next", "lfm2", "kimi_linear"])
+def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
+    """Adaptive rounds that take plain steps instead (the draft then catches up on several tokens in one pass, up to
+    a pass's width) still give HF's greedy output, for every mixer kind."""
+    target = without_eos(tiny_model(family, dtype=torch.float64))
+    draft = noisy_copy(target, scale=0.01, seed=1)
+    spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)  # a pass adds <= 4 nodes
+    trunks = []
+    random_pacing(monkeypatch, seed=0, trunks=trunks)
+    for prompt in prompts([1, 9]):
+        got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=60, tree=spec,
+                                    return_stats=True)
+        assert torch.equal(got, hf_greedy(target, prompt, 60))
+        assert stats.tree_sizes.count(1) > 10  # plain steps taken ...
+    assert max(trunks) == 4  # ... up to 4 - 2 in a row, the draft's next pass taking them all
+
+
 @pytest.mark.parametrize("draft_family", ["mamba2", "llama", "qwen2"])
 def test_other_draft_families(draft_family):
     """The draft may be any supported causal LM with the same vocabulary: SSM, hybrid or Transformer."""

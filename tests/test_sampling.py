@@ -244,3 +244,29 @@ def test_long_generations_follow_the_target_conditionals(family, tree, temperatu
     assert_matches(counts, probs)
     wrong, probs = pit_counts(target, prompt, outputs, Sampler(temperature * 3, None, top_p))
     assert chi_square(wrong, probs)[0] > chi_square_critical(9)
+
+
+def test_paced_generations_follow_the_target_conditionals(monkeypatch):
+    """Adaptive rounds (the global RNG, no generator) that take plain steps at random instead of speculating: every
+    token's PIT under the target's exact conditional stays uniform, and a wrong temperature is rejected."""
+    from test_generate import random_pacing
+    vocab = 8
+    target = tiny_model("bamba", dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model("bamba", dtype=torch.float64, vocab_size=vocab, seed=1)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(12.0)
+        for mine, theirs in zip(draft.parameters(), target.parameters()):
+            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
+    target.generation_config.eos_token_id = None
+    trunks = []
+    random_pacing(monkeypatch, seed=1, trunks=trunks)
+    spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)
+    prompt = torch.tensor([[1, 3, 0, 5]])
+    torch.manual_seed(4)
+    outputs = [stree.generate(target, prompt, draft_model=draft, max_new_tokens=40, temperature=1.0, tree=spec)
+               for _ in range(60)]
+    assert max(trunks) == 4
+    counts, probs = pit_counts(target, prompt, outputs, Sampler(1.0))
+    assert_matches(counts, probs)
+    wrong, probs = pit_counts(target, prompt, outputs, Sampler(3.0))
+    assert chi_square(wrong, probs)[0] > chi_square_critical(9)

@@ -191,12 +191,16 @@ class TreeModel:
         self.tree = self._structure = None
         return logits[:, -1]
 
-    def compile(self, **options):
+    def compile(self, *, pad_single=True, **options):
         """Compile the device part of every pass (with the pending commit's) with torch.compile (inductor; on CUDA
         with mode="reduce-overhead", i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from
         pass to pass, so the TreeModel needs enough node slots and, for one graph per shape, a pass_width; without
         one the number of new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more
-        compilation when it first changes). A buffer that grows recompiles."""
+        compilation when it first changes). A buffer that grows recompiles.
+
+        pad_single: without a pass_width, pad passes of one new node and LM heads of one row to two (see below);
+        False when one-node passes are frequent and their own graphs are warmed up by the caller (a compiled
+        one-node pass costs ~0.8x a padded one)."""
         if self.device.type == "cuda":
             options.setdefault("mode", "reduce-overhead")
             self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
@@ -208,7 +212,7 @@ class TreeModel:
         extra = dict(options.pop("options", {}))
         extra.setdefault("guard_filter_fn", torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
-        if self.pass_width is None and self.nodes > 1:
+        if self.pass_width is None and self.nodes > 1 and pad_single:
             # A dynamic dimension is still specialised at size 1: a first one-node pass or one-row LM head, rare in a
             # tree model, would compile again mid-generation (measured: ~5 s inside a 3 s benchmark run). Padding
             # such passes to two rows keeps them on the dynamic graph.
