@@ -159,7 +159,7 @@ class RoundCosts:
         pooled = self.paced.get(None)
         if pooled is None or self.step <= 0.0:
             return True
-        weight, tokens, seconds = self.paced.get(context, (0.0, 0.0, 0.0))
+        _, tokens, seconds = self.paced.get(context, (0.0, 0.0, 0.0))
         prior = self.PACE_PRIOR / pooled[0]
         tokens, seconds = tokens + prior * pooled[1], seconds + prior * pooled[2]
         return tokens * self.step >= seconds
