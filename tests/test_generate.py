@@ -65,19 +65,23 @@ def test_long_output_any_tree(tree):
     assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=300, tree=tree), want)
 
 
-def random_pacing(monkeypatch, seed, trunks=None):
+def random_pacing(monkeypatch, seed):
     """Make adaptive rounds speculate or take a plain step at random (seeded; a choice made before the round, as
-    the measured rule's is), and record each speculative round's draft trunk length in `trunks`."""
+    the measured rule's is)."""
     import random
 
-    import stree.decoding as decoding
     from stree.draft import RoundCosts
     coin = random.Random(seed)
     monkeypatch.setattr(RoundCosts, "speculates", lambda self, context: coin.random() < 0.4)
-    if trunks is not None:
-        original = decoding.draft_tree
-        monkeypatch.setattr(decoding, "draft_tree", lambda draft, trunk, *a: trunks.append(len(trunk)) or
-                            original(draft, trunk, *a))
+
+
+def record_trunks(monkeypatch):
+    """A list that gets each speculative round's draft trunk length (tokens the draft's first pass takes)."""
+    import stree.decoding as decoding
+    trunks, original = [], decoding.draft_tree
+    monkeypatch.setattr(decoding, "draft_tree", lambda draft, trunk, *a: trunks.append(len(trunk)) or
+                        original(draft, trunk, *a))
+    return trunks
 
 
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "jamba", "qwen3_next", "lfm2", "kimi_linear"])
@@ -87,8 +91,8 @@ def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     target = without_eos(tiny_model(family, dtype=torch.float64))
     draft = noisy_copy(target, scale=0.01, seed=1)
     spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)  # a pass adds <= 4 nodes
-    trunks = []
-    random_pacing(monkeypatch, seed=0, trunks=trunks)
+    trunks = record_trunks(monkeypatch)
+    random_pacing(monkeypatch, seed=0)
     for prompt in prompts([1, 9]):
         got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=60, tree=spec,
                                     return_stats=True)

@@ -12,6 +12,7 @@ from stree.models import tiny_model
 from stree.sampling import Sampler, draw_without_replacement
 from stree.verify import verify_sampling
 from stats import assert_matches, chi_square, chi_square_critical
+from test_generate import random_pacing, record_trunks
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
@@ -215,6 +216,19 @@ def pit_counts(target, prompt, outputs, sampler, bins=10, seed=0):
     return counts, {b: 1.0 / bins for b in range(bins)}
 
 
+def close_pair(family, vocab=8):
+    """A tiny target with sharp next-token distributions and a noisy copy of it as the draft: high acceptance, so
+    rounds accept whole paths."""
+    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(12.0)
+        for mine, theirs in zip(draft.parameters(), target.parameters()):
+            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
+    target.generation_config.eos_token_id = None
+    return target, draft
+
+
 @pytest.mark.parametrize("family, tree, temperature, top_p", [
     ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 1.0, None),
     ("mamba2", (2, 1, 1), 0.7, 0.9),
@@ -223,18 +237,8 @@ def test_long_generations_follow_the_target_conditionals(family, tree, temperatu
     """40-token generations (many rounds; some rounds start with a two-token draft trunk, i.e. an accepted node the
     draft had not seen): every token's PIT under the target's exact conditional is uniform. The same samples judged
     against another temperature are rejected, so the test has power."""
-    import stree.decoding as decoding
-    vocab = 8
-    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
-    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
-    with torch.no_grad():  # a noisy copy of the target: high acceptance, so rounds accept whole paths
-        target.get_output_embeddings().weight.mul_(12.0)
-        for mine, theirs in zip(draft.parameters(), target.parameters()):
-            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
-    target.generation_config.eos_token_id = None
-    trunks, original = [], decoding.draft_tree
-    monkeypatch.setattr(decoding, "draft_tree", lambda draft, trunk, *a: trunks.append(len(trunk)) or
-                        original(draft, trunk, *a))
+    target, draft = close_pair(family)
+    trunks = record_trunks(monkeypatch)
     prompt = torch.tensor([[1, 3, 0, 5]])
     g = torch.Generator().manual_seed(3)
     outputs = [stree.generate(target, prompt, draft_model=draft, max_new_tokens=40, temperature=temperature,
@@ -249,17 +253,9 @@ def test_long_generations_follow_the_target_conditionals(family, tree, temperatu
 def test_paced_generations_follow_the_target_conditionals(monkeypatch):
     """Adaptive rounds (the global RNG, no generator) that take plain steps at random instead of speculating: every
     token's PIT under the target's exact conditional stays uniform, and a wrong temperature is rejected."""
-    from test_generate import random_pacing
-    vocab = 8
-    target = tiny_model("bamba", dtype=torch.float64, vocab_size=vocab, seed=1)
-    draft = tiny_model("bamba", dtype=torch.float64, vocab_size=vocab, seed=1)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(12.0)
-        for mine, theirs in zip(draft.parameters(), target.parameters()):
-            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
-    target.generation_config.eos_token_id = None
-    trunks = []
-    random_pacing(monkeypatch, seed=1, trunks=trunks)
+    target, draft = close_pair("bamba")
+    trunks = record_trunks(monkeypatch)
+    random_pacing(monkeypatch, seed=1)
     spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)
     prompt = torch.tensor([[1, 3, 0, 5]])
     torch.manual_seed(4)
