@@ -271,6 +271,30 @@ def test_fixed_shape_passes_trace_as_one_graph(family, overrides):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid"])  # Mamba1 / Mamba2 mixers, attention and MoE layers
+def test_compiled_passes_through_graph_breaks_equal_hf(family):
+    """HF's MoE blocks break dynamo's graph (`nonzero` over the experts hit), so the layers' own methods are traced as
+    frames of their own, one code object shared by every layer. Compiled passes (dynamo alone: what is at stake is
+    which graph is replayed, not a backend; fixed shapes, so that each frame is traced once per layer) still give
+    HF's sequential logits over trees of several shapes and depths, with commits between them."""
+    import torch._dynamo
+    from test_tree_model import decode_sequentially, random_tree
+    torch._dynamo.reset()
+    model = tiny_model(family, dtype=torch.float64)
+    tm = TreeModel(model, nodes=16, pass_width=8).compile(backend="eager")
+    prompt = prompts([6])[0]
+    tm.prefill(prompt)
+    sequence = []
+    for T, seed in ((3, 0), (8, 1), (6, 2)):
+        tokens, parents = random_tree(T, seed)
+        logits = tm.tree_forward([tokens], [parents])[0]
+        for i in range(T):
+            want, _ = decode_sequentially(model, prompt, sequence + [tokens[k] for k in path_to(parents, i)])
+            torch.testing.assert_close(logits[i], want, rtol=FP32_TOL, atol=FP32_TOL)
+        tm.commit([T - 1])
+        sequence += [tokens[k] for k in path_to(parents, T - 1)]
+
+
 # ---- errors ------------------------------------------------------------------------------------------------------
 
 def test_unsupported_type_lists_the_new_families():
