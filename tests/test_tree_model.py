@@ -184,6 +184,25 @@ def test_compiled_tree_model_runs_a_first_one_node_pass_on_its_dynamic_graph():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def test_compile_arguments_give_cuda_graphs_beside_the_guard_filter():
+    """TreeModel.compile's torch.compile arguments: on CUDA the inductor backend gets CUDA graphs (mode
+    "reduce-overhead" as inductor options, since torch.compile refuses a mode beside options, and the options always
+    carry the guard filter); a user's mode and options are kept; a mode for another backend is refused."""
+    from stree.models.tree_model import _compile_options, _skip_module_guards_of_own_frames
+    cuda = _compile_options({"dynamic": None}, cuda=True)
+    assert "mode" not in cuda and cuda["options"]["triton.cudagraphs"] is True
+    assert cuda["options"]["guard_filter_fn"] is _skip_module_guards_of_own_frames
+    torch.compile(lambda x: x + 1, **cuda)  # accepted (a mode beside the options raised here)
+    assert "triton.cudagraphs" not in _compile_options({}, cuda=False)["options"]
+    tuned = _compile_options({"mode": "max-autotune-no-cudagraphs", "options": {"cpp_wrapper": True}}, cuda=True)
+    assert tuned["options"]["max_autotune"] and tuned["options"]["cpp_wrapper"]
+    assert "triton.cudagraphs" not in tuned["options"]
+    assert _compile_options({"backend": "aot_eager"}, cuda=True)["options"] == {
+        "guard_filter_fn": _skip_module_guards_of_own_frames}
+    with pytest.raises(ValueError, match="inductor"):
+        _compile_options({"backend": "eager", "mode": "reduce-overhead"}, cuda=False)
+
+
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     """A forward that fails after the attention layer appended K/V (bamba: mamba, attention, mamba) is rolled back:
     extending again gives the one-pass logits and the commit still equals sequential decoding."""
@@ -213,11 +232,12 @@ def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     assert_cache_is_after(tm, model, prompt, [tokens[k] for k in path_to(parents, 7)])
 
 
-def test_a_failed_pass_that_grew_the_tree_still_commits(monkeypatch):
+@pytest.mark.parametrize("family", ["bamba", "jamba"])  # Mamba1 keeps the committed state in an extra slot
+@pytest.mark.parametrize("accepted", [1, -1])
+def test_a_failed_pass_that_grew_the_tree_still_commits(monkeypatch, family, accepted):
     """An extend() that grows the node slots and then fails leaves a tree with more slots than its last good pass
-    saw: committing one of its nodes still gives HF's sequential decoding (logits and state)."""
-    from stree.models.mamba2 import Mamba2Layers
-    model = tiny_model("bamba", dtype=torch.float64)
+    saw: committing one of its nodes, or none, still gives HF's sequential decoding (logits and state)."""
+    model = tiny_model(family, dtype=torch.float64)
     prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(7))
     tm = TreeModel(model, nodes=4)
     tm.prefill(prompt)
@@ -226,15 +246,39 @@ def test_a_failed_pass_that_grew_the_tree_still_commits(monkeypatch):
     def failing(*args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Mamba2Layers, "forward", failing)
+    monkeypatch.setattr(next(iter(tm.kinds.values())), "forward", failing)
     with pytest.raises(RuntimeError, match="boom"):
         tm.extend([[5] * 10], [[1] + list(range(2, 11))])  # 12 nodes: more than the 4 slots
     monkeypatch.undo()
-    tm.commit([1])
+    tm.commit([accepted])
+    sequence = [3, 4][:accepted + 1] + [9]
     got = tm.tree_forward([[9]], [[-1]])[0, 0]
-    torch.testing.assert_close(got, decode_sequentially(model, prompt, [3, 4, 9])[0])
+    tol = hf_tol(family)
+    torch.testing.assert_close(got, decode_sequentially(model, prompt, sequence)[0], rtol=tol, atol=tol)
     tm.commit([0])
-    assert_cache_is_after(tm, model, prompt, [3, 4, 9])
+    assert_cache_is_after(tm, model, prompt, sequence, tol)
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba"])  # Mamba2 / Mamba1 adapters derive A from A_log
+def test_a_prefill_after_weights_changed_in_place_uses_the_new_weights(family):
+    """A TreeModel reused across prefills (compiled ones are kept on the model) follows weights changed in place in
+    between, as by an optimizer step or load_state_dict: its passes equal HF's sequential decoding of the new model."""
+    model = tiny_model(family, dtype=torch.float64)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    tm = TreeModel(model)
+    tm.prefill(prompt)
+    tm.tree_forward([[3, 4]], [[-1, 0]])
+    tm.commit([1])
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    tokens, parents = random_tree(6, seed=5)
+    tm.prefill(prompt)
+    logits = tm.tree_forward([tokens], [parents])[0]
+    for i in range(6):
+        want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
+        torch.testing.assert_close(logits[i].double(), want.double(), rtol=hf_tol(family), atol=hf_tol(family))
 
 
 def test_a_failed_pass_after_a_commit_asks_for_a_new_prefill(monkeypatch):

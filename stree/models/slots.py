@@ -26,14 +26,17 @@ class SlotLayers:
         self.capacity = 0
 
     def reserve(self, capacity):
-        """Hold at least `capacity` node slots, keeping what the first slots hold."""
+        """Hold at least `capacity` node slots, keeping what the slots and the extra slots hold."""
         if capacity <= self.capacity:
             return
         n, batch, device, specs = self._slots
         for name, (shape, dtype, extra) in specs.items():
             new = torch.zeros(n, batch, capacity + extra, *shape, dtype=dtype, device=device)
             if self.capacity:
-                new[:, :, :self.capacity] = getattr(self, name)[:, :, :self.capacity]
+                old = getattr(self, name)
+                new[:, :, :self.capacity] = old[:, :, :self.capacity]
+                new[:, :, capacity:] = old[:, :, self.capacity:]  # the extra slots (a pass may fail before it
+                # rewrites them, and a commit of none then reads them)
             setattr(self, name, new)
         self.capacity = capacity
 

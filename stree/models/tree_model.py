@@ -67,6 +67,29 @@ def _skip_module_guards_of_own_frames(entries):
     return [not (own and e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]
 
 
+def _weights_version(model):
+    """Where every parameter lives and how often it was modified in place (an optimizer step, load_state_dict):
+    the adapters are rebuilt when this changes. (Writes through `.data` are not counted.)"""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def _compile_options(options, cuda):
+    """torch.compile's keyword arguments for a pass from TreeModel.compile's: inductor's options (`options`) get the
+    guard filter above, and on CUDA the inductor backend runs with mode="reduce-overhead" (CUDA graphs) unless a
+    mode is given. torch.compile takes a mode or options, not both, so a mode is turned into its options."""
+    options = dict(options)
+    extra = dict(options.pop("options", None) or {})
+    extra.setdefault("guard_filter_fn", _skip_module_guards_of_own_frames)
+    inductor = options.get("backend", "inductor") == "inductor"
+    mode = options.pop("mode", "reduce-overhead" if cuda and inductor else None)
+    if mode is not None:
+        if not inductor:
+            raise ValueError(f"mode={mode!r} is an inductor setting; backend {options['backend']!r} takes none")
+        from torch._inductor import list_mode_options
+        extra = {**list_mode_options(mode, options.get("dynamic")), **extra}
+    return {**options, "options": extra}
+
+
 def _own_copy(method):
     """The bound method with a code object of its own, under a name of its own. Dynamo keeps its graphs and guards
     per code object, and what it has learnt about which sizes vary per (file, line, name) of the code: with one
@@ -133,6 +156,7 @@ class TreeModel:
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = False
         self._cache = None
+        self._weights = None   # _weights_version(model) when the mixer adapters were built
         self.tree = None       # HostTree of the uncommitted tree
         self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
         self._pending = None   # the last commit's device arguments, until a pass (or reading `cache`) applies them
@@ -187,10 +211,11 @@ class TreeModel:
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = StateCache.from_hf(hf_cache, P, capacity)
         self._pending = None  # the state is replaced
-        if self._cache is not None and self._cache.load(cache):
-            pass  # same shapes: the existing buffers (and anything compiled against them) are kept
+        weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
+        if self._cache is not None and weights == self._weights and self._cache.load(cache):
+            pass  # same shapes and weights: the existing buffers (and anything compiled against them) are kept
         else:
-            self._cache = cache
+            self._cache, self._weights = cache, weights
             self._layers = {}
             for group in cache.groups:
                 kinds = {self.kinds.get(i) for i in group.layers}
@@ -213,20 +238,18 @@ class TreeModel:
         False when one-node passes are frequent and their own graphs are warmed up by the caller (a compiled
         one-node pass costs ~0.8x a padded one)."""
         if self.device.type == "cuda":
-            options.setdefault("mode", "reduce-overhead")
             self._static_buffers = True  # CUDA graphs replay only over buffers at fixed addresses
         # Sequential kinds unroll their levels into the graph (one graph per tree depth met), which can pass dynamo's
         # default limit of 8 graphs per function.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        extra = dict(options.pop("options", {}))
-        extra.setdefault("guard_filter_fn", _skip_module_guards_of_own_frames)
         options.setdefault("dynamic", False if self.pass_width is not None else None)
+        options = _compile_options(options, cuda=self.device.type == "cuda")
         if self.pass_width is None and self.nodes > 1 and pad_single:
             # A dynamic dimension is still specialised at size 1: a first one-node pass or one-row LM head, rare in a
             # tree model, would compile again mid-generation (measured: ~5 s inside a 3 s benchmark run). Padding
             # such passes to two rows keeps them on the dynamic graph.
             self._min_rows = 2
-        self.run = torch.compile(_own_copy(self._run), options=extra, **options)
+        self.run = torch.compile(_own_copy(self._run), **options)
         self._compiled = True
         return self
 
