@@ -128,7 +128,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         return_stats: also return a GenerationStats.
         generator: torch.Generator (CPU) for the random draws when sampling; None = the global RNG.
         streamer: an HF streamer (e.g. TextStreamer): gets the prompt, then each round's new tokens, then end().
-        stopping_criteria: an HF StoppingCriteriaList, checked after every new token as HF does.
+        stopping_criteria: an HF StoppingCriteriaList, checked after every new token as HF does (with scores=None:
+            a round has no single step's logits to give).
         compile: run every draft and target pass with fixed shapes through torch.compile (inductor on CPU, CUDA
             graphs on CUDA); a dict gives torch.compile's options (e.g. {"backend": "aot_eager"}). The first call
             per model and tree shape pays the compilation (tens of seconds on a CPU); later calls reuse it. Off by

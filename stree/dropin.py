@@ -1,9 +1,9 @@
 """stree.enable(model): make model.generate(input_ids, draft_model=draft, ...) run speculative tree decoding.
 
-Without draft_model the call goes to HF's own generate unchanged. With it, the merged GenerationConfig (the model's,
-updated by the call's keyword arguments, HF defaults for what neither sets) must only use the options listed in
-HONOURED (or leave the others at HF's defaults); anything else raises NotImplementedError rather than give a result
-that differs from HF's.
+Without draft_model the call goes to HF's own generate unchanged. With it, the GenerationConfig merged as HF merges
+it (the call's or the model's, unset fields from the model's, then HF's defaults, the call's keyword arguments over
+all) must only use the options listed in HONOURED (or leave the others at HF's defaults); anything else raises
+NotImplementedError rather than give a result that differs from HF's. Lengths follow HF too (_lengths).
 """
 import copy
 
@@ -23,14 +23,15 @@ NO_EFFECT = ("transformers_version", "_from_model_config", "cache_implementation
 
 
 def _effective_config(model, generation_config, kwargs):
-    config = copy.deepcopy(generation_config or model.generation_config)
+    """The GenerationConfig HF's generate would decode with: the call's config (else the model's), its unset fields
+    taken from the model's, then from HF's defaults, then the call's keyword arguments over all of them."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    defaults = GenerationConfig._get_default_generation_params()
+    config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**defaults, defaults_only=True)
     unused = config.update(**kwargs)
     if unused:
         raise TypeError(f"unexpected arguments for generate with draft_model: {sorted(unused)}")
-    defaults = GenerationConfig._get_default_generation_params()
-    for name, value in defaults.items():
-        if getattr(config, name, None) is None:
-            setattr(config, name, value)
     unsupported = {name: value for name, value in config.to_dict().items()
                    if name not in HONOURED and name not in NO_EFFECT and value is not None
                    and value != defaults.get(name)}
@@ -38,6 +39,26 @@ def _effective_config(model, generation_config, kwargs):
         raise NotImplementedError(f"stree's tree decoding does not implement {unsupported}; call generate without "
                                   f"draft_model to use HF's own decoding. It honours: {', '.join(HONOURED)}")
     return config
+
+
+def _lengths(model, config, prompt_length, default_max_length):
+    """(max_new_tokens, min_new_tokens) as HF's generate derives them from a merged config: max_new_tokens over
+    max_length, and when no max_length was set anywhere (default_max_length) HF's default one counts new tokens
+    (within max_position_embeddings); min_new_tokens over min_length. A prompt that already fills max_length is
+    refused, as HF refuses it."""
+    if config.max_new_tokens is not None:
+        max_length = prompt_length + config.max_new_tokens
+    elif default_max_length:
+        max_length = prompt_length + config.max_length
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        max_length = max_length if limit is None else min(max_length, limit)
+    else:
+        max_length = config.max_length
+    if prompt_length >= max_length:
+        raise ValueError(f"the prompt has {prompt_length} tokens and max_length is {max_length}: nothing would be "
+                         "generated; pass max_new_tokens >= 1 (or a larger max_length), as HF's generate asks")
+    min_new = config.min_new_tokens if config.min_new_tokens is not None else max(config.min_length - prompt_length, 0)
+    return max_length - prompt_length, min_new
 
 
 def enable(model, *, tree=DEFAULT_TREE, compile=False):
@@ -63,13 +84,13 @@ def enable(model, *, tree=DEFAULT_TREE, compile=False):
             raise ValueError("with draft_model, input_ids must be one unpadded row of shape (1, prompt_length)")
         if attention_mask is not None and not bool((attention_mask == 1).all()):
             raise ValueError("with draft_model, only an all-ones attention_mask (one unpadded row) is supported")
+        default_max_length = (kwargs.get("max_length") is None and model.generation_config.max_length is None
+                              and (generation_config is None or generation_config.max_length is None))
         config = _effective_config(model, generation_config, kwargs)
-        prompt_length = input_ids.shape[1]
-        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_length
-        min_new = max(config.min_new_tokens or 0, config.min_length - prompt_length)
+        max_new, min_new = _lengths(model, config, input_ids.shape[1], default_max_length)
         sampling = dict(temperature=config.temperature, top_k=config.top_k or None,
                         top_p=config.top_p if config.top_p < 1.0 else None) if config.do_sample else {}
-        return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max(max_new, 0),
+        return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max_new,
                         min_new_tokens=min_new, eos_token_id=config.eos_token_id, tree=tree, streamer=streamer,
                         stopping_criteria=stopping_criteria, compile=stree_compile, **sampling)
 

@@ -1,8 +1,10 @@
+import copy
+
 import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, TextStreamer
+from transformers import GenerationConfig, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import stree
@@ -35,9 +37,9 @@ def test_drop_in_greedy_equals_hf_and_falls_back_without_draft(pair):
     assert torch.equal(target.generate(PROMPT, draft_model=draft, max_new_tokens=50), want)
     assert torch.equal(target.generate(input_ids=PROMPT, draft_model=draft, max_new_tokens=50, tree=(1, 1)), want)
     assert torch.equal(hf(target, do_sample=False, max_new_tokens=50), want)  # no draft: HF's own path
-    # max_length instead of max_new_tokens, and HF's default of 20 when neither is given
-    assert torch.equal(target.generate(PROMPT, draft_model=draft, max_length=30), want[:, :30])
-    assert torch.equal(target.generate(PROMPT, draft_model=draft), want[:, :20])
+    # max_length instead of max_new_tokens, and neither (HF's default: 20 new tokens), each against HF's own call
+    assert torch.equal(target.generate(PROMPT, draft_model=draft, max_length=30), hf(target, max_length=30))
+    assert torch.equal(target.generate(PROMPT, draft_model=draft), hf(target))
     stree.disable(target)
     assert "generate" not in vars(target)
 
@@ -111,6 +113,48 @@ def test_unsupported_options_raise(pair, kwargs, error, message):
     stree.enable(target)
     with pytest.raises(error, match=message):
         target.generate(PROMPT, draft_model=draft, max_new_tokens=5, **kwargs)
+
+
+@pytest.mark.parametrize("passed, kwargs", [
+    (None, dict(max_new_tokens=7)),
+    (dict(max_new_tokens=7), {}),
+    (dict(max_new_tokens=7, do_sample=False), {}),
+    (dict(max_new_tokens=7), dict(temperature=0.3)),
+    (dict(max_length=12, top_k=5), dict(min_new_tokens=2)),
+])
+def test_the_merged_generation_config_is_hfs(pair, passed, kwargs):
+    """The drop-in path decodes with the GenerationConfig HF's generate builds (HF's own merge as the oracle): a
+    passed config's unset fields come from the model's (here a sampling checkpoint's settings), then from HF's
+    defaults, and keyword arguments override them."""
+    from stree.dropin import _effective_config
+    target, _ = pair
+    target.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9, min_new_tokens=3)
+    passed = None if passed is None else GenerationConfig(**passed)
+    want, _ = target._prepare_generation_config(copy.deepcopy(passed), **kwargs)
+    got = _effective_config(target, passed, dict(kwargs))
+    for name in ("do_sample", "temperature", "top_k", "top_p", "min_new_tokens", "min_length", "max_new_tokens",
+                 "max_length", "eos_token_id"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
+def test_options_of_the_model_and_lengths_are_checked_as_hf_does(pair):
+    """A passed config does not hide the model's own unsupported settings, and a prompt that already fills max_length
+    (or max_new_tokens=0) is refused, as HF refuses it, instead of returning the prompt."""
+    target, draft = pair
+    target.generation_config.repetition_penalty = 1.2
+    stree.enable(target)
+    with pytest.raises(NotImplementedError, match="repetition_penalty"):
+        target.generate(PROMPT, draft_model=draft, generation_config=GenerationConfig(max_new_tokens=5))
+    target.generation_config.repetition_penalty = None
+    long_prompt = torch.arange(24)[None] % 64
+    mask = torch.ones_like(long_prompt)
+    for kwargs in (dict(max_length=10), dict(max_new_tokens=0)):
+        with pytest.raises(ValueError):
+            target.generate(long_prompt, attention_mask=mask, **kwargs)  # no draft: HF's own
+        with pytest.raises(ValueError, match="max_length|max_new_tokens"):
+            target.generate(long_prompt, draft_model=draft, **kwargs)
+    # no length given: 20 new tokens, however long the prompt
+    assert torch.equal(target.generate(long_prompt, draft_model=draft), target.generate(long_prompt, attention_mask=mask))
 
 
 def test_enable_refuses_unsupported_models():
