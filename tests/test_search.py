@@ -119,6 +119,11 @@ def test_bad_config():
         SearchConfig(strategy="mcts")
     with pytest.raises(ValueError):
         SearchConfig(width=0)
+    with pytest.raises(ValueError, match="beam_width"):
+        SearchConfig(beam_width=-1)
+    for seed in (-1, 2 ** 61, 1.5):  # hash(-1) == hash(-2) in CPython: two seeds would give one search
+        with pytest.raises(ValueError, match="seed"):
+            SearchConfig(seed=seed)
 
 
 def test_tree_memory_counts_kv_per_token_and_one_ssm_snapshot_per_leaf(policy_model):

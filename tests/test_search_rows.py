@@ -145,6 +145,8 @@ def test_search_batch_rejects_bad_input(policy_model):
         tree_search_batch(policy_model, [[1], [2]], [hashed], config)
     with pytest.raises(ValueError, match="at least one prompt"):
         tree_search_batch(policy_model, [], hashed, config)
+    with pytest.raises(ValueError, match="seed"):
+        tree_search_batch(policy_model, [[1], [2]], [hashed, hashed], config, seeds=[0, -1])
 
 
 def tensors_under(obj, seen=None):

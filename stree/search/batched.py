@@ -30,6 +30,16 @@ import torch
 from ..models.rows import RowState
 
 
+SEED_LIMIT = 2 ** 61 - 1  # below it, distinct seeds have distinct hashes (CPython: hash(-1) == hash(-2))
+
+
+def check_seed(seed):
+    """Raise ValueError unless `seed` is an int in [0, SEED_LIMIT): candidate_generator hashes it, and outside
+    that range two seeds can give the same search."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"a search seed must be an int in [0, 2**61 - 1), got {seed!r}")
+
+
 def candidate_generator(seed, key):
     """The random generator of the candidate with sibling indices `key` (a tuple, root first) in a search seeded
     `seed`: every token of its step is drawn from it."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .allocation import ETS_WEIGHTS, ets_select, rebase_allocation
-from .batched import Candidate, Request, StepDecoder, candidate_generator, shared_batch
+from .batched import Candidate, Request, StepDecoder, candidate_generator, check_seed, shared_batch
 from .beam import BeamOptions, spec_beam_searches
 from .clusters import cluster_embeddings
 from .policy import Policy
@@ -52,8 +52,10 @@ class SearchConfig:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
-        if self.width < 1 or self.max_steps < 1:
-            raise ValueError("width and max_steps must be >= 1")
+        if self.width < 1 or self.max_steps < 1 or self.beam_width < 0:
+            raise ValueError(f"width and max_steps must be >= 1 and beam_width >= 0 (0: round(sqrt(width))), got "
+                             f"{self.width}, {self.max_steps} and {self.beam_width}")
+        check_seed(self.seed)
         if self.ets_weights not in ETS_WEIGHTS or self.ets_costs not in ("nodes", "bytes"):
             raise ValueError(f"ets_weights must be one of {ETS_WEIGHTS} and ets_costs 'nodes' or 'bytes', got "
                              f"{self.ets_weights!r} and {self.ets_costs!r}")
@@ -301,6 +303,8 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
         raise ValueError("tree_search_batch needs at least one prompt")
     verifiers = list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers] * len(prompts)
     seeds = [config.seed] * len(prompts) if seeds is None else list(seeds)
+    for seed in seeds:
+        check_seed(seed)
     if len(verifiers) != len(prompts) or len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
                          f"{len(seeds)}")
