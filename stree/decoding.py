@@ -303,7 +303,8 @@ def _tree_model(model, compile, nodes, pass_width, pad_single=True):
     options = {} if compile is True else dict(compile)
     width = pass_width if model.device.type == "cuda" else None
     kept = model.__dict__.setdefault("_stree_compiled", {})
-    key = (nodes, width, pad_single, repr(sorted(options.items())))  # repr: option values may be dicts
+    # The mode is in the key: a pass traces it as a constant (module attributes are not guarded in the pass's frame).
+    key = (nodes, width, pad_single, repr(sorted(options.items())), model.training)  # repr: values may be dicts
     if key not in kept:
         kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(pad_single=pad_single, **options)
     return kept[key]

@@ -247,6 +247,21 @@ def test_dynamic_tree_budget_must_hold_the_roots_children():
     assert out.shape == (1, 15)
 
 
+def test_compiled_passes_follow_the_models_train_eval_mode():
+    """Compiled passes are kept on the model, and a pass traces the modules' train / eval mode as a constant (their
+    attributes are not guarded in the pass's own frame), so a mode change must not replay the other mode's graphs:
+    after a call in train mode (attention dropout on), an eval-mode call still equals HF's greedy search."""
+    import torch._dynamo
+    target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=2, attention_dropout=0.9))
+    torch._dynamo.reset()
+    prompt = prompts([5], seed=3)[0]
+    target.train()
+    stree.generate(target, prompt, draft_model=None, max_new_tokens=8, compile={"backend": "eager"})
+    target.eval()
+    out = stree.generate(target, prompt, draft_model=None, max_new_tokens=8, compile={"backend": "eager"})
+    assert torch.equal(out, hf_greedy(target, prompt, 8))
+
+
 def test_fixed_shape_compiled_passes_equal_hf():
     """compile= runs every pass through torch.compile (here the aot_eager backend: dynamo's
     tracing and functionalisation without inductor's C++ build, to keep the test fast): greedy output equal to HF,
