@@ -303,8 +303,6 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
         raise ValueError("tree_search_batch needs at least one prompt")
     verifiers = list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers] * len(prompts)
     seeds = [config.seed] * len(prompts) if seeds is None else list(seeds)
-    for seed in seeds:
-        check_seed(seed)
     if len(verifiers) != len(prompts) or len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
                          f"{len(seeds)}")
