@@ -278,7 +278,7 @@ def test_compiled_passes_through_graph_breaks_equal_hf(family):
     which graph is replayed, not a backend; fixed shapes, so that each frame is traced once per layer) still give
     HF's sequential logits over trees of several shapes and depths, with commits between them."""
     import torch._dynamo
-    from test_tree_model import decode_sequentially, random_tree
+    from test_tree_model import assert_node_logits_match_sequential, random_tree
     torch._dynamo.reset()
     model = tiny_model(family, dtype=torch.float64)
     tm = TreeModel(model, nodes=16, pass_width=8).compile(backend="eager")
@@ -287,10 +287,8 @@ def test_compiled_passes_through_graph_breaks_equal_hf(family):
     sequence = []
     for T, seed in ((3, 0), (8, 1), (6, 2)):
         tokens, parents = random_tree(T, seed)
-        logits = tm.tree_forward([tokens], [parents])[0]
-        for i in range(T):
-            want, _ = decode_sequentially(model, prompt, sequence + [tokens[k] for k in path_to(parents, i)])
-            torch.testing.assert_close(logits[i], want, rtol=FP32_TOL, atol=FP32_TOL)
+        assert_node_logits_match_sequential(tm.tree_forward([tokens], [parents])[0], model, prompt, tokens, parents,
+                                            FP32_TOL, committed=sequence)
         tm.commit([T - 1])
         sequence += [tokens[k] for k in path_to(parents, T - 1)]
 

@@ -38,15 +38,21 @@ def random_tree(T, seed, vocab=64):
     return torch.randint(0, vocab, (T,), generator=g).tolist(), parents
 
 
+def assert_node_logits_match_sequential(logits, model, prompt, tokens, parents, tol, committed=()):
+    """logits (T, vocab) of a tree's nodes equal HF's sequential decode of prompt + committed + path(node), within
+    tol."""
+    for i in range(len(tokens)):
+        want, _ = decode_sequentially(model, prompt, list(committed) + [tokens[k] for k in path_to(parents, i)])
+        torch.testing.assert_close(logits[i].double(), want.double(), rtol=tol, atol=tol)
+
+
 def assert_tree_logits_match_sequential(model, prompt_len, T, seed, tol):
     """Tree-pass logits of every node equal HF's sequential decode of prompt + path(node), within tol."""
     prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     tokens, parents = random_tree(T, seed=seed + 1)
     logits = one_pass_logits(model, prompt, tokens, parents)
     assert logits.shape == (T, model.config.vocab_size)
-    for i in range(T):
-        want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
-        torch.testing.assert_close(logits[i].double(), want.double(), rtol=tol, atol=tol)
+    assert_node_logits_match_sequential(logits, model, prompt, tokens, parents, tol)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -275,10 +281,8 @@ def test_a_prefill_after_weights_changed_in_place_uses_the_new_weights(family):
             p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     tokens, parents = random_tree(6, seed=5)
     tm.prefill(prompt)
-    logits = tm.tree_forward([tokens], [parents])[0]
-    for i in range(6):
-        want, _ = decode_sequentially(model, prompt, [tokens[k] for k in path_to(parents, i)])
-        torch.testing.assert_close(logits[i].double(), want.double(), rtol=hf_tol(family), atol=hf_tol(family))
+    assert_node_logits_match_sequential(tm.tree_forward([tokens], [parents])[0], model, prompt, tokens, parents,
+                                        hf_tol(family))
 
 
 def test_a_failed_pass_after_a_commit_asks_for_a_new_prefill(monkeypatch):

@@ -35,8 +35,8 @@ class SlotLayers:
             if self.capacity:
                 old = getattr(self, name)
                 new[:, :, :self.capacity] = old[:, :, :self.capacity]
-                new[:, :, capacity:] = old[:, :, self.capacity:]  # the extra slots (a pass may fail before it
-                # rewrites them, and a commit of none then reads them)
+                # The extra slots too: a pass may fail before it rewrites them, and a commit of none reads them.
+                new[:, :, capacity:] = old[:, :, self.capacity:]
             setattr(self, name, new)
         self.capacity = capacity
 
