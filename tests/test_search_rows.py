@@ -20,12 +20,14 @@ def reference_search(model, prompt, verifier, config):
     """The level-synchronous search written out plainly, one candidate at a time: every token re-reads the prompt
     and the candidate's tokens through the model (one full forward, no cache, no batching, no merging) and is drawn
     from the candidate's own generator, candidate_generator(seed, key), where the j-th continuation of a trajectory
-    with key k has key k + (j,). Children of a step are ordered by key; the first step's child j is in DVTS subtree
-    j % k. A step ends at a delimiter, EOS or step_max_tokens tokens; a search-tree node is a distinct path of
-    steps. Allocation as the strategies define it: best_of_n one each, beam the k best (stable by key order) with
-    equal shares, dvts each subtree's best with equal shares, rebase rebase_allocation, ets ets_select over distinct
-    nodes (embedding: the last layer's hidden state at the step's last token) with each kept node's count shared
-    evenly among its copies. Returns the final trajectories (finished ones, else the live ones) as dicts."""
+    with key k has key k + (j,). Children of a step are ordered by key. A step ends at a delimiter, EOS or
+    step_max_tokens tokens; a search-tree node is a distinct path of steps. Allocation as the strategies define
+    it: best_of_n one each, beam the k best (stable by key order) with equal shares, rebase rebase_allocation, ets
+    ets_select over distinct nodes (embedding: the last layer's hidden state at the step's last token) with each
+    kept node's count shared evenly among its copies. DVTS is search-and-learn's loop: k subtrees, the first step's
+    child j in subtree j % k, each subtree expanding its best child into its share of the width until that best
+    child has ended, its last children its outputs. Returns the final trajectories (finished ones, else all) as
+    dicts."""
     stops = set(config.step_delimiter_ids) | set(config.eos_token_ids)
     k = config.kept
 
@@ -53,10 +55,6 @@ def reference_search(model, prompt, verifier, config):
         if config.strategy == "beam":
             best = sorted(live, key=lambda t: -score(t))[:k]
             return list(zip(best, shares(width, len(best))))
-        if config.strategy == "dvts":
-            groups = sorted({t["group"] for t in live})
-            best = [max((t for t in live if t["group"] == g), key=score) for g in groups]
-            return list(zip(best, shares(width, len(groups))))
         if config.strategy == "rebase":
             return list(zip(live, rebase_allocation([score(t) for t in live], width, config.rebase_temperature)))
         nodes = {}
@@ -72,18 +70,43 @@ def reference_search(model, prompt, verifier, config):
         return [(t, n) for group, count in zip(nodes.values(), counts)
                 for t, n in zip(group, shares(count, len(group)))]
 
-    expansions, finished, live = [(dict(key=(), steps=[], scores=[], group=0), config.width)], [], []
-    for depth in range(config.max_steps):
+    def expand(t, n):
+        """t's n children, ordered by key."""
         children = []
-        for t, n in expansions:
-            for j in range(n):
-                key = t["key"] + (j,)
-                steps = t["steps"] + [draw_step(tokens(t), candidate_generator(config.seed, key))]
-                children.append(dict(key=key, steps=steps, scores=t["scores"] + [verifier(prompt, steps)],
-                                     group=key[0] % k if depth == 0 else t["group"]))
-        children.sort(key=lambda t: t["key"])
-        finished += [c for c in children if c["steps"][-1][-1] in config.eos_token_ids]
-        live = [c for c in children if c["steps"][-1][-1] not in config.eos_token_ids]
+        for j in range(n):
+            key = t["key"] + (j,)
+            steps = t["steps"] + [draw_step(tokens(t), candidate_generator(config.seed, key))]
+            children.append(dict(key=key, steps=steps, scores=t["scores"] + [verifier(prompt, steps)]))
+        return children
+
+    def ended(t):
+        return t["steps"][-1][-1] in config.eos_token_ids
+
+    root = dict(key=(), steps=[], scores=[])
+    if config.strategy == "dvts":  # search-and-learn's loop: each subtree samples its share from its current best
+        subtrees = [dict(share=n, best=root, children=None, pruned=False) for n in shares(config.width, k)]
+        first = expand(root, config.width)  # the prompt's children dealt out: child j to subtree j % k
+        for g, subtree in enumerate(subtrees):
+            subtree["children"] = [c for c in first if c["key"][0] % k == g]
+        for depth in range(config.max_steps):
+            for subtree in subtrees:
+                if subtree["pruned"]:
+                    continue
+                if depth > 0:
+                    subtree["children"] = expand(subtree["best"], subtree["share"])
+                if not subtree["children"]:
+                    subtree["pruned"] = True  # width < k: an empty subtree
+                    continue
+                subtree["best"] = max(subtree["children"], key=score)  # first maximum in key order
+                subtree["pruned"] = ended(subtree["best"])
+        outputs = sorted((c for subtree in subtrees for c in subtree["children"] or []), key=lambda t: t["key"])
+        return [t for t in outputs if ended(t)] or outputs
+
+    expansions, finished, live = [(root, config.width)], [], []
+    for depth in range(config.max_steps):
+        children = sorted((c for t, n in expansions for c in expand(t, n)), key=lambda t: t["key"])
+        finished += [c for c in children if ended(c)]
+        live = [c for c in children if not ended(c)]
         width = config.width - len(finished)
         if not live or width <= 0 or depth == config.max_steps - 1:
             break

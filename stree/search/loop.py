@@ -7,7 +7,8 @@ list of step token lists); a PRM is wrapped into one. Every strategy generates i
 (stree.search.batched.StepDecoder): for one problem, one forward pass per token for every live trajectory's
 sibling branches together. The level-synchronous ones (ALLOCATIONS: best_of_n, beam, dvts, rebase, ets) expand the
 chosen trajectories by one step, score the new steps, and decide how many continuations each live trajectory gets
-next; the width shrinks as trajectories finish. spec_beam is beam search on its own schedule, synchronous or
+next (ALLOCATIONS holds each one's level rule); the width shrinks as trajectories finish, except in DVTS, where each
+subtree keeps its share until it stops. spec_beam is beam search on its own schedule, synchronous or
 speculative (stree.search.beam, options in BeamOptions).
 """
 import math
@@ -100,14 +101,6 @@ def beam(live, width, config, context):
     return list(zip(kept, _shares(width, len(kept))))
 
 
-def dvts(live, width, config, context):
-    """Diverse verifier tree search: the first step's children are dealt into `kept` subtrees; each subtree
-    continues only its best trajectory, with an equal share of the width."""
-    groups = sorted({t.group for t in live})
-    shares = _shares(width, len(groups))
-    return [(_best([t for t in live if t.group == g], config, 1)[0], n) for g, n in zip(groups, shares)]
-
-
 def rebase(live, width, config, context):
     return list(zip(live, rebase_allocation(_scores(live, config), width, config.rebase_temperature)))
 
@@ -135,7 +128,44 @@ def ets(live, width, config, context):
     return [(t, n) for group, count in zip(copies, counts) for t, n in zip(group, _shares(count, len(group)))]
 
 
-ALLOCATIONS = {"best_of_n": best_of_n, "beam": beam, "dvts": dvts, "rebase": rebase, "ets": ets}
+def _shared_width(allocate):
+    """The level rule of a strategy that spends one shared width: finished children become answers, the width left
+    (config.width minus the answers) goes to the live children by allocate(live, width, config, context) -> [(t,
+    count)]; the search ends when nothing is live, the width is spent, or at the last step (the live children
+    become answers too)."""
+    def level(children, answers, config, context, last):
+        answers = answers + [c for c in children if c.finished]
+        live = [c for c in children if not c.finished]
+        width = config.width - len(answers)
+        if not live or width <= 0 or last:
+            return [], answers + live
+        return allocate(live, width, config, context), answers
+    level.__doc__ = allocate.__doc__
+    return level
+
+
+def dvts(children, answers, config, context, last):
+    """Diverse verifier tree search (as search-and-learn's DVTS): the first step's children are dealt into k
+    subtrees (child j into subtree j % k); each step, every subtree expands only its best child (ties: smallest key)
+    into its fixed share of the width (config.width split into k near-equal shares), its other children are
+    dropped. A subtree stops when its best child has finished or at the last step: that step's children, finished
+    or not, are its answers. The search ends when every subtree has stopped."""
+    shares = _shares(config.width, config.kept)
+    expansions, answers = [], list(answers)
+    for g in sorted({t.group for t in children}):
+        members = [t for t in children if t.group == g]
+        best = _best(members, config, 1)[0]
+        if best.finished or last:
+            answers += members
+        else:
+            expansions.append((best, shares[g]))
+    return expansions, answers
+
+
+# name -> level rule(children, answers, config, context, last) -> (expansions [(trajectory, count)], answers):
+# children are the step's new trajectories (ordered by key), answers the final trajectories so far
+ALLOCATIONS = {"best_of_n": _shared_width(best_of_n), "beam": _shared_width(beam), "dvts": dvts,
+               "rebase": _shared_width(rebase), "ets": _shared_width(ets)}
 
 
 @dataclass
@@ -207,7 +237,7 @@ def _level_search(prompt, verifier, config, root_state, eos, embedder, owner):
     context = SearchContext(memory, embedder)
     replay = config.leaf_states == "replay"
     expansions = [(root, config.width)]
-    finished, live, next_node = [], [], 1
+    answers, next_node = [], 1
     stats = dict(verifier_calls=0, steps=0, peak_tree_bytes=memory.tree_bytes([root]))
     previous_parents = []  # replay: the nodes expanded last step: their snapshots rebuild this step's parents
     for step in range(config.max_steps):
@@ -229,19 +259,18 @@ def _level_search(prompt, verifier, config, root_state, eos, embedder, owner):
             next_node += 1
         children.sort(key=lambda t: t.key)
         stats["steps"] = step + 1
-        finished += [c for c in children if c.finished]
-        live = [c for c in children if not c.finished]
         stats["peak_tree_bytes"] = max(stats["peak_tree_bytes"],
-                                       memory.tree_bytes(live + finished, parents if replay else None))
-        width = config.width - len(finished)
-        if not live or width <= 0 or step == config.max_steps - 1:
-            break
-        expansions = ALLOCATIONS[config.strategy](live, width, config, context)
+                                       memory.tree_bytes(children + answers, parents if replay else
+                                                         [c for c in children if not c.finished]))
+        expansions, answers = ALLOCATIONS[config.strategy](children, answers, config, context,
+                                                           step == config.max_steps - 1)
         chosen = {t.node for t, count in expansions if count > 0}
-        for t in live:
+        for t in children:
             if t.node not in chosen:  # nothing will fork from it
                 t.state.release()
-    return finished or live, stats
+        if not chosen:
+            break
+    return [t for t in answers if t.finished] or answers, stats
 
 
 def _requests(expansions, seed, replay, owner=0):
