@@ -134,6 +134,21 @@ def test_every_strategy_on_batched_rows_equals_a_sequential_reference(policy_mod
                 assert result.scores == [t["scores"][-1] for t in want] and result.answer == want_answer
 
 
+@pytest.mark.parametrize("width, beam_width, max_steps, eos", [(5, 0, 3, (0, 1, 2)), (7, 3, 3, (0, 1)),
+                                                                (2, 3, 2, (0,)), (6, 0, 1, (0,))])
+def test_dvts_subtrees_equal_search_and_learns_loop(policy_model, width, beam_width, max_steps, eos):
+    """DVTS against the reference's transcription of search-and-learn's subtree loop where subtrees get unequal
+    shares (width not a multiple of k), several stop on one step (frequent EOS), there are fewer children than
+    subtrees, or there is a single step; three seeds, float64 policy."""
+    for seed in (0, 1, 2):
+        config = SearchConfig(strategy="dvts", width=width, beam_width=beam_width, max_steps=max_steps,
+                              step_delimiter_ids=(4, 5), step_max_tokens=3, eos_token_ids=eos, seed=seed)
+        want = reference_search(policy_model, [1, 2, 3], hashed, config)
+        result = tree_search(policy_model, [1, 2, 3], hashed, config)
+        got = [(t.key, t.steps, t.step_scores) for t in result.trajectories]
+        assert got == [(t["key"], t["steps"], t["scores"]) for t in want], seed
+
+
 @pytest.mark.parametrize("strategy", sorted(ALLOCATIONS))
 def test_several_problems_in_one_batch_equal_the_reference_one_by_one(policy_model, strategy):
     """tree_search_batch decodes problems of different prompt lengths and seeds together (each moving on to its next

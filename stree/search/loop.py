@@ -149,7 +149,7 @@ def dvts(children, answers, config, context, last):
     subtrees (child j into subtree j % k); each step, every subtree expands only its best child (ties: smallest key)
     into its fixed share of the width (config.width split into k near-equal shares), its other children are
     dropped. A subtree stops when its best child has finished or at the last step: that step's children, finished
-    or not, are its answers. The search ends when every subtree has stopped."""
+    or not, are its answers (all answers ordered by key). The search ends when every subtree has stopped."""
     shares = _shares(config.width, config.kept)
     expansions, answers = [], list(answers)
     for g in sorted({t.group for t in children}):
@@ -159,7 +159,7 @@ def dvts(children, answers, config, context, last):
             answers += members
         else:
             expansions.append((best, shares[g]))
-    return expansions, answers
+    return expansions, sorted(answers, key=lambda t: t.key)
 
 
 # name -> level rule(children, answers, config, context, last) -> (expansions [(trajectory, count)], answers):
