@@ -117,7 +117,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             what speculation adds).
         max_new_tokens / min_new_tokens: bounds on the number of new tokens (EOS is banned before the minimum).
         temperature: 0 = greedy, equal to model.generate(do_sample=False); > 0 = sampling from the target's
-            distribution after temperature, top_k and top_p (HF's order), verified losslessly.
+            distribution after temperature, top_k and top_p (HF's order), verified losslessly. top_k=None cuts
+            nothing, whereas HF's generate(do_sample=True) applies its generation config's top_k (50 by default):
+            pass top_k=50 to sample what HF samples (the drop-in model.generate merges HF's config itself).
         eos_token_id: int or list of ints that end generation (kept in the output); None = the target's
             generation_config.eos_token_id, as HF's generate does.
         tree: stree.DynamicTree(adaptive=True) by default (at most 16 draft nodes over 6 levels, each round as

@@ -85,7 +85,9 @@ def draw_without_replacement(probs, k, generator=None):
         target = torch.minimum(uniforms[:, j:j + 1] * total, torch.nextafter(total, zero))
         pick = torch.searchsorted(cdf, target, right=True).clamp_(max=left.shape[-1] - 1)
         ids.append(pick)
-        valid.append(total > 0)
+        # the picked token's own mass, not only the row's: a cumsum that is not exactly monotone (parallel sums
+        # on a GPU) could land on a token with no mass, which verification must never see as drafted
+        valid.append(left.gather(-1, pick) > 0)
         left.scatter_(-1, pick, 0.0)
     shape = (*probs.shape[:-1], k)
     return torch.cat(ids, -1).view(shape), torch.cat(valid, -1).to(probs.dtype).view(shape)
