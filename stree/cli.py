@@ -59,6 +59,15 @@ def cmd_generate(args):
           f"tau {stats.tau:.2f} tokens per target pass, {stats.target_passes} target passes]", file=sys.stderr)
 
 
+def _cpu_name():
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def cmd_bench(args):
     import platform
 
@@ -78,9 +87,9 @@ def cmd_bench(args):
     if args.large:  # a realistic-size target computing the same function: bound by reading weights
         targets.append(("target inflated to 0.9B", inflate_bamba(target, hidden_size=2048, mamba_heads=64,
                                                                  d_state=128, intermediate_size=8192, num_layers=12)))
-    cpu = platform.processor() or platform.machine()
-    print(f"device cpu ({cpu}, torch capability {torch.backends.cpu.get_cpu_capability()}), torch threads "
-          f"{torch.get_num_threads()}, {args.dtype}, {args.prompts} held-out prompts x {args.max_new_tokens} new "
+    device = (f"cpu ({_cpu_name() or platform.processor() or platform.machine()}, torch capability "
+              f"{torch.backends.cpu.get_cpu_capability()}), torch threads {torch.get_num_threads()}")
+    print(f"device {device}, {args.dtype}, {args.prompts} held-out prompts x {args.max_new_tokens} new "
           f"tokens, {args.repeats} repeats{', compiled' if args.compile else ''}")
     report = []
     for label, model in targets:
@@ -94,7 +103,7 @@ def cmd_bench(args):
                            repeats=args.repeats, compile=args.compile)
             print(format_rows(rows))
             report.append(dict(target=label, params_m=params, temperature=temperature, dtype=args.dtype,
-                               new_tokens=new_tokens, rows=rows))
+                               new_tokens=new_tokens, device=device, compile=args.compile, rows=rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -58,6 +58,7 @@ def test_bench_table(pair_dir, capsys, tmp_path):
     assert "HF generate" in out and "stree autoregressive" in out and "chain" in out
     tables = json.load(open(tmp_path / "b.json"))
     assert [t["temperature"] for t in tables] == [0.0, 1.0]
+    assert all(t["device"].startswith("cpu (") and "torch threads" in t["device"] for t in tables)
     methods = [r["method"] for r in tables[0]["rows"]]
     assert methods == ["HF generate", "stree autoregressive", "chain (1, 1, 1, 1)", "dynamic tree, fixed size",
                        "dynamic tree (default)"]
