@@ -34,15 +34,24 @@ class DynamicTree:
     adaptive: decide each round's depth from measured costs (RoundCosts) instead of always drafting `depth`
     levels: another level is drafted only while its expected extra tokens per extra second beat the round's
     current expected tokens per second (expected tokens: the draft's path probabilities, calibrated by how many
-    tokens the target actually accepted in earlier rounds)."""
+    tokens the target actually accepted in earlier rounds).
+
+    coverage (sampling only): an expanded node gets as many children, at most top_k, as its draft distribution's
+    most probable tokens need to reach this share of its mass (a confident node one child, so the budget goes to
+    depth); decided from the node's distribution before its children are drawn, which keeps verification
+    lossless. 1.0: always top_k. The default 0.8 measured 1.32x the tokens/s of 1.0 on the bundled pair's target
+    inflated to 0.9B (bf16, T=1, adaptive; README)."""
     budget: int = 16
     depth: int = 6
     top_k: int = 3
     frontier: int = 3
     adaptive: bool = False
+    coverage: float = 0.8
 
     def __post_init__(self):
         _check_positive(self, ("budget", "depth", "top_k", "frontier"))
+        if not 0.0 < self.coverage <= 1.0:
+            raise ValueError(f"DynamicTree.coverage must be in (0, 1], got {self.coverage}")
         if self.budget < self.top_k:
             raise ValueError(f"DynamicTree.budget ({self.budget}) must be at least top_k ({self.top_k}): the root's "
                              "children alone take top_k nodes")
@@ -220,11 +229,12 @@ class _Growth:
     def root(self):
         return self.depth.index(0)
 
-    def expand(self, nodes, k):
+    def expand(self, nodes, k, coverage=1.0):
         """One draft pass over the nodes grown since the previous pass (the draft's uncommitted tree is extended,
         not recomputed), then k children for each of `nodes` (ids among those new nodes): the top-k tokens when
-        greedy, else k draws without replacement. The LM head runs on `nodes` only, and the choice is one batched
-        operation over (len(nodes), vocab) with one copy to the host.
+        greedy, else k draws without replacement (coverage < 1: only as many as the node's k most probable tokens
+        need to reach that share of its mass; see DynamicTree). The LM head runs on `nodes` only, and the choice is
+        one batched operation over (len(nodes), vocab) with one copy to the host.
 
         Returns {node: [(token, log q(token))]} in drawing order.
         """
@@ -244,6 +254,9 @@ class _Growth:
             probs = scores.softmax(-1)
             self.probs.update(zip(nodes, probs))
             picked, valid = draw_without_replacement(probs, k, self.generator)
+            if coverage < 1.0:  # from probs alone, never from the draws
+                needed = (probs.topk(valid.shape[-1], dim=-1).values.cumsum(-1) < coverage).sum(-1, keepdim=True)
+                valid = valid * (torch.arange(valid.shape[-1], device=device) <= needed)
             values = probs.gather(-1, picked).log()
         host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
         self.transfers += 1
@@ -291,7 +304,7 @@ def _dynamic(growth, spec):
         if not expand or (costs is not None and ratios is not None and
                           not _level_pays(costs, spec, joint, growth.root, expand, ratios, growth.passes)):
             break
-        children = growth.expand(expand, spec.top_k)
+        children = growth.expand(expand, spec.top_k, spec.coverage)
         frontier, ratios = [], [0.0] * spec.top_k
         for node in expand:
             for rank, (token, log_q) in enumerate(children[node]):

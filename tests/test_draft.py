@@ -85,6 +85,35 @@ def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, 
     assert drafted_paths(drafted, len(trunk)) == want
 
 
+@pytest.mark.parametrize("coverage", [1.0, 0.8, 0.5])
+def test_sampled_dynamic_trees_give_each_node_the_children_its_coverage_needs(coverage):
+    """Sampling: every expanded node has as many children as the most probable tokens of its distribution (HF's
+    own forward over its path) need to reach `coverage` of the mass, at most top_k; its children are distinct."""
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(0))
+    spec = DynamicTree(budget=12, depth=4, top_k=3, frontier=3, coverage=coverage)
+    fewer = 0
+    for seed in range(3):
+        draft = TreeModel(model)
+        draft.prefill(prompt)
+        drafted = draft_tree(draft, [5], spec, Sampler(1.0), generated=0, generator=torch.Generator().manual_seed(seed))
+        path = {0: ()}
+        children = {}
+        for node in range(1, len(drafted.tokens)):
+            parent = drafted.parents[node]
+            path[node] = path[parent] + (drafted.tokens[node],)
+            children.setdefault(parent, []).append(drafted.tokens[node])
+        for node, tokens in children.items():
+            mass = log_probs(model, prompt[0].tolist() + [5] + list(path[node])).exp().sort(descending=True).values
+            needed = spec.top_k if coverage == 1.0 else min(spec.top_k,
+                                                             1 + int((mass[:spec.top_k].cumsum(0) < coverage).sum()))
+            assert len(tokens) == needed and len(set(tokens)) == len(tokens), (seed, node)
+            fewer += needed < spec.top_k
+    assert (fewer > 0) == (coverage < 1.0)  # the sharpened distributions leave some nodes a single child
+
+
 def brute_force_rate(costs, probs, passes):
     """max over k of (1 + c * sum(top k)) / round_time(passes, 1 + k), by trying every k."""
     return max(((1 + costs.calibration * sum(probs[:k])) / costs.round_time(passes, 1 + k), k)

@@ -230,7 +230,7 @@ def close_pair(family, vocab=8):
 
 
 @pytest.mark.parametrize("family, tree, temperature, top_p", [
-    ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 1.0, None),
+    ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, coverage=1.0), 1.0, None),  # default: 0.8
     ("mamba2", (2, 1, 1), 0.7, 0.9),
 ])
 def test_long_generations_follow_the_target_conditionals(family, tree, temperature, top_p, monkeypatch):
