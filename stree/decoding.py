@@ -270,10 +270,10 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
 
 
 def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, token):
-    """Start the adaptive tree's cost model: time target passes of 1 and `target_nodes` nodes, a draft pass of
-    `draft_width` nodes (LM head on `draft_rows`) and a plain step (a one-node target pass carrying the last
-    commit, here an empty one), each the faster of two runs; both states are left unchanged. Compiled, this also
-    compiles the one-node passes that paced rounds take."""
+    """Start the adaptive tree's cost model: time target passes of 1, 2, 4, 8 and `target_nodes` nodes (those up
+    to target_nodes: RoundCosts.verify_curve), a draft pass of `draft_width` nodes (LM head on `draft_rows`) and a
+    plain step (a one-node target pass carrying the last commit, here an empty one), each the faster of two runs;
+    both states are left unchanged. Compiled, this also compiles the one-node passes that paced rounds take."""
     def seconds(model, n, carrying=False, **kwargs):
         best = float("inf")
         for _ in range(2):
@@ -286,9 +286,13 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
             best = min(best, time.perf_counter() - start)
         return best
 
-    one, full = seconds(target, 1), seconds(target, target_nodes)
-    costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))
-    costs.verify = one - costs.verify_node
+    sizes = sorted({n for n in (1, 2, 4, 8, target_nodes) if n <= target_nodes})
+    times = [seconds(target, n) for n in sizes]
+    times = [max(times[:i + 1]) for i in range(len(times))]  # a larger pass never costs less (timing noise)
+    one, full = times[0], times[-1]
+    costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))  # the linear model, for reference
+    costs.verify = one
+    costs.verify_curve = tuple((n, t - one) for n, t in zip(sizes, times)) if len(sizes) > 1 else ()
     costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
     costs.step = seconds(target, 1, carrying=True)
     return costs

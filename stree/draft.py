@@ -107,14 +107,17 @@ def tree_shapes(spec, paced=False):
 
 @dataclass
 class RoundCosts:
-    """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass; a target pass of n nodes,
-    verify + verify_node·n; the rest of a round (commit, bookkeeping); and calibration = tokens the target
-    accepted / tokens the draft's path probabilities expected. Measured once at the start (generate's
-    calibration passes) and updated every round."""
+    """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass; a target pass of n nodes
+    (target_time: verify + verify_node·n, or verify + the measured verify_curve at n); the rest of a round (commit,
+    bookkeeping); and calibration = tokens the target accepted / tokens the draft's path probabilities expected.
+    Measured once at the start (generate's calibration passes) and updated every round."""
     draft: float = 0.0
     verify: float = 0.0
     verify_node: float = 0.0
     other: float = 0.0
+    # ((nodes, seconds over `verify`), ...) at ascending sizes, measured: a pass's cost is far from linear in its
+    # nodes where a 2-row matrix product already costs ~2x a 1-row one (CPUs without bf16 / AMX units). () = linear
+    verify_curve: tuple = ()
     calibration: float = 1.0
     decay: float = 0.8
     step: float = 0.0     # seconds of a plain decoding step (one target node, no drafting); 0 = not measured yet
@@ -124,9 +127,18 @@ class RoundCosts:
     def known(self):
         return self.draft > 0.0
 
+    def target_time(self, nodes):
+        """Seconds of a target pass of `nodes` nodes: piecewise linear between the verify_curve's sizes (the last
+        segment's slope beyond them), or verify + verify_node·nodes without a curve."""
+        curve = self.verify_curve
+        if len(curve) < 2:
+            return self.verify + self.verify_node * nodes
+        (n0, s0), (n1, s1) = next((pair for pair in zip(curve, curve[1:]) if nodes <= pair[1][0]), curve[-2:])
+        return self.verify + s0 + (s1 - s0) * (nodes - n0) / (n1 - n0)
+
     def round_time(self, passes, nodes):
         """Seconds of a round of `passes` draft passes verifying `nodes` nodes (root included)."""
-        return passes * self.draft + self.verify + self.verify_node * nodes + self.other
+        return passes * self.draft + self.target_time(nodes) + self.other
 
     def best_rate(self, probs, passes):
         """(expected tokens per second, nodes kept) of the best tree made of the most probable of `probs` (path
@@ -146,7 +158,7 @@ class RoundCosts:
         mix = 1.0 - self.decay
         if passes:
             self.draft += mix * (_bounded(draft_seconds / passes, self.draft) - self.draft)
-        base = self.verify + self.verify_node * nodes
+        base = self.target_time(nodes)
         self.verify += mix * (_bounded(verify_seconds, base) - base)  # drift goes to the base
         self.other += mix * (_bounded(other_seconds, self.other) - self.other)
         ratio = (accepted + 0.5) / (expected + 0.5)

@@ -124,14 +124,37 @@ def test_round_costs_keep_the_best_number_of_nodes():
     from stree.draft import RoundCosts
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
+        steps = torch.rand(4, generator=g).tolist()  # half the time a measured, concave pass curve
+        curve = tuple(zip((1, 2, 4, 8, 17), [0.0] + [sum(steps[:i + 1]) / (i + 1) for i in range(4)]))
         costs = RoundCosts(draft=float(torch.rand(1, generator=g)), verify=float(torch.rand(1, generator=g)) + 0.1,
                            verify_node=float(torch.rand(1, generator=g)) * 0.3, other=0.05,
-                           calibration=float(torch.rand(1, generator=g)) + 0.3)
+                           calibration=float(torch.rand(1, generator=g)) + 0.3, verify_curve=curve if _ % 2 else ())
         probs = sorted(torch.rand(12, generator=g).pow(3).tolist(), reverse=True)
         rate, k = costs.best_rate(probs, 3)
         want_rate, want_k = brute_force_rate(costs, probs, 3)
         assert abs(rate - want_rate) < 1e-12 and (k == want_k or abs(
             (1 + costs.calibration * sum(probs[:k])) / costs.round_time(3, 1 + k) - want_rate) < 1e-12)
+
+
+def test_round_costs_interpolate_a_measured_pass_curve():
+    """With a measured curve a target pass costs verify + the curve at n: linear between the measured sizes, along
+    the last segment beyond them; without one, verify + verify_node * n. Where a second row costs almost a pass,
+    an uncertain node does not pay."""
+    from stree.draft import RoundCosts
+    curve = ((1, 0.0), (2, 0.9), (4, 1.2), (8, 1.5), (17, 2.4))
+    costs = RoundCosts(draft=0.01, verify=1.0, verify_node=5.0, verify_curve=curve)
+    sizes, extra = zip(*curve)
+    for n in range(1, 18):
+        at = max(i for i, size in enumerate(sizes) if size <= n)
+        nxt = min(at + 1, len(sizes) - 1)
+        want = extra[at] if nxt == at else extra[at] + (extra[nxt] - extra[at]) * (n - sizes[at]) / (sizes[nxt] -
+                                                                                                      sizes[at])
+        assert abs(costs.target_time(n) - (1.0 + want)) < 1e-12, n
+    assert abs(costs.target_time(20) - (1.0 + 2.4 + 3 * 0.9 / 9)) < 1e-12
+    assert RoundCosts(verify=1.0, verify_node=0.5).target_time(4) == 3.0
+    # a node of p = 0.5 brings 1.5x the tokens for 1.9x the seconds: none pays; with cheap rows all three do
+    assert costs.best_rate([0.5, 0.05, 0.05], 1)[1] == 0
+    assert RoundCosts(draft=0.01, verify=1.0, verify_node=0.02).best_rate([0.5, 0.05, 0.05], 1)[1] == 3
 
 
 @pytest.mark.parametrize("draft_cost, verify_node, depth_at_most, nodes_at_least", [
