@@ -3,6 +3,7 @@
 One readable loop: prefill both models; then repeat draft a tree -> verify it with one target pass -> emit the
 accepted tokens plus the target's bonus token -> commit both caches to the accepted branch.
 """
+import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -287,12 +288,10 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
         return best
 
     sizes = sorted({n for n in (1, 2, 4, 8, target_nodes) if n <= target_nodes})
-    times = [seconds(target, n) for n in sizes]
-    times = [max(times[:i + 1]) for i in range(len(times))]  # a larger pass never costs less (timing noise)
-    one, full = times[0], times[-1]
-    costs.verify_node = max(0.0, (full - one) / max(target_nodes - 1, 1))  # the linear model, for reference
-    costs.verify = one
-    costs.verify_curve = tuple((n, t - one) for n, t in zip(sizes, times)) if len(sizes) > 1 else ()
+    # a larger pass never costs less: a running maximum irons out timing noise
+    times = list(itertools.accumulate((seconds(target, n) for n in sizes), max))
+    costs.verify = times[0]
+    costs.verify_curve = tuple((n, t - times[0]) for n, t in zip(sizes, times))  # one size (a 1-node target): flat
     costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
     costs.step = seconds(target, 1, carrying=True)
     return costs

@@ -129,7 +129,7 @@ class RoundCosts:
 
     def target_time(self, nodes):
         """Seconds of a target pass of `nodes` nodes: piecewise linear between the verify_curve's sizes (the last
-        segment's slope beyond them), or verify + verify_node·nodes without a curve."""
+        segment's slope beyond them), or verify + verify_node·nodes with fewer than two measured sizes."""
         curve = self.verify_curve
         if len(curve) < 2:
             return self.verify + self.verify_node * nodes
