@@ -8,12 +8,15 @@ unchanged) with three things swapped in:
     earlier nodes from preallocated buffers;
   * the cache, a StateCache whose attention buffers are preallocated: attention modules write the new nodes'
     K/V into tree slots after the committed positions and see a 4D mask (prefix + ancestors + itself);
-  * positions = committed length + depth.
+  * positions = committed length + depth;
+  * on a CPU, its nn.Linear layers' forwards, by products on oneDNN-packed copies of their weights where those
+    measured faster (packed.py), in prefill and every pass.
 The tree's structure (ancestors, conv windows, depths) is kept on the host (HostTree) and copied once per pass.
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
 (one tree_states / tree_conv_state call per group of equal layers) and moves the path's K/V rows into place; its
 device part runs at the start of the next pass, in the same (compiled) call, or when `cache` is read.
 """
+import contextlib
 import itertools
 import types
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from .host_tree import HostTree
 from .kimi_delta import KimiDeltaLayers
 from .mamba1 import Mamba1Layers
 from .mamba2 import Mamba2Layers
+from .packed import packed_linears
 from .short_conv import ShortConvLayers
 
 SSM_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2",  # Mamba2
@@ -71,6 +75,18 @@ def _weights_version(model):
     """Where every parameter lives and how often it was modified in place (an optimizer step, load_state_dict):
     the adapters are rebuilt when this changes. (Writes through `.data` are not counted.)"""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _swapped(forwards):
+    """Modules' forwards replaced by the given ones ({module: forward}) for the duration of the block."""
+    for module, forward in forwards.items():
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module in forwards:
+            del module.forward
 
 
 def _compile_options(options, cuda):
@@ -151,7 +167,8 @@ class TreeModel:
             getattr(self.kinds[i], "check", lambda module: None)(mixer)
         self._sequential = any(getattr(kind, "SEQUENTIAL", False) for kind in self.kinds.values())  # needs levels
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
-        self._forwards = {i: self._tree_forward_of(i) for i in self.mixers}
+        self._tree_forwards = {self.mixers[i]: self._tree_forward_of(i) for i in self.mixers}
+        self._linears = {}     # nn.Linear -> its forward on a packed weight (CPU; see packed.py), set by prefill
         self.nodes, self.pass_width = nodes, pass_width
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = False
@@ -204,14 +221,18 @@ class TreeModel:
         kwargs = {}
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
-        logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1, **kwargs).logits
+        weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
+        if self.device.type == "cpu" and not self._compiled:
+            self._linears = packed_linears(self.model, weights)
+        with _swapped(self._linears):
+            logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1,
+                                **kwargs).logits
         capacity = max(max_length or 0, P + DEFAULT_RESERVE)
         if self.pass_width is not None or self._compiled:  # compiled: round the buffers up so that
             # most prompts share them (and the compilation)
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         cache = StateCache.from_hf(hf_cache, P, capacity)
         self._pending = None  # the state is replaced
-        weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
         if self._cache is not None and weights == self._weights and self._cache.load(cache):
             pass  # same shapes and weights: the existing buffers (and anything compiled against them) are kept
         else:
@@ -250,7 +271,7 @@ class TreeModel:
             # such passes to two rows keeps them on the dynamic graph.
             self._min_rows = 2
         self.run = torch.compile(_own_copy(self._run), **options)
-        self._compiled = True
+        self._compiled, self._linears = True, {}  # inductor has its own weight layouts
         return self
 
     @torch.no_grad()
@@ -323,19 +344,17 @@ class TreeModel:
             rows = width if self.pass_width is not None else self._min_rows  # fixed shapes: always `width` rows
             if K < rows:
                 head_rows = head_rows + [0] * (rows - K)
-            for i, forward in self._forwards.items():
-                self.mixers[i].forward = forward
             pending, self._pending = self._pending, None
             try:
-                logits = self.run(tokens, inputs, torch.tensor(head_rows, dtype=torch.long, device=device), pending)
+                with _swapped({**self._linears, **self._tree_forwards}):
+                    logits = self.run(tokens, inputs, torch.tensor(head_rows, dtype=torch.long, device=device),
+                                      pending)
                 self._structure = (inputs["parents"], inputs["mask"], inputs["windows"])
             except BaseException:
                 if pending is not None:  # whether the commit was applied is unknown: the state is lost
                     self._cache = self.tree = None
                 raise
             finally:
-                for mixer in self.mixers.values():
-                    del mixer.forward
                 cache.end_pass()
                 self._pass = None
         except BaseException:  # the buffers' new slots are simply reused by the next pass

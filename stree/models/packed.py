@@ -1,0 +1,117 @@
+"""Linear layers on prepacked oneDNN weights, for a TreeModel's passes on a CPU.
+
+torch's nn.Linear on a CPU calls MKL (float32) or oneDNN (bf16) with the weight as it is stored. On some CPUs that
+is far from the machine's speed for the few rows of a tree pass: on an AMD EPYC (Zen 5, AVX-512), MKL's float32
+product of 17 rows by a (8192, 2048) weight costs 4x its one-row product, and a bf16 one-row product reads the
+weight at 10 GB/s. The same weight reordered once into oneDNN's blocked layout (torch.ops.mkldnn, the layout
+inductor uses when it freezes a model) takes 17 rows in about 1.3x the time of one, and one row in half the time.
+Which is faster depends on the CPU, the shape and the number of rows, so it is measured once per weight shape and
+dtype, at one row and at PACK_ROWS rows, and each call takes the faster for its row count.
+
+The packed weights are a second copy of the weights they pack. They are kept on the model (one set per weights
+version, see packed_linears) and made only when they fit in a quarter of the memory the system has available.
+Set STREE_PACK_LINEARS=0 to turn them off; drop_packed_linears(model) frees them.
+"""
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+PACK_ROWS = 16       # the "many rows" a packed weight is measured at (a tree pass's size)
+PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_GAIN = 0.9       # a packed product is used only where it measured at most this fraction of the plain one
+MEMORY_SHARE = 0.25  # packed copies may take at most this share of the available memory
+_KEY = "_stree_packed_linears"
+
+
+def _available_bytes():
+    """MemAvailable from /proc/meminfo (Linux), else the free physical pages, else None (unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _seconds(f, x, repeats=3):
+    """Best of `repeats` timings of f(x), each over enough calls to last about a millisecond."""
+    f(x)
+    start = time.perf_counter()
+    f(x)
+    calls = max(1, int(1e-3 / max(time.perf_counter() - start, 1e-7)))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f(x)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _plan(weight, bias):
+    """(weight packed, use it for one row, use it for more rows), or None where packing is slower or fails."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+        def on_packed(x):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        uses = []
+        for rows in (1, PACK_ROWS):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            uses.append(_seconds(on_packed, x) <= MIN_GAIN * _seconds(lambda v: F.linear(v, weight, bias), x))
+    except (RuntimeError, AttributeError):  # no oneDNN, or none for this dtype
+        return None
+    return (packed, *uses) if any(uses) else None
+
+
+def _forward(module, packed, single, multi):
+    """module's forward on the packed weight where it measured faster for the input's row count."""
+    weight, bias = module.weight, module.bias
+
+    def forward(x):
+        rows = x.numel() // x.shape[-1]
+        if rows and (multi if rows > 1 else single) and x.dtype == weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+    return forward
+
+
+@torch.no_grad()
+def packed_linears(model, version):
+    """{nn.Linear module: forward on its packed weight} for `model` on a CPU (empty elsewhere, or when packing does
+    not pay or does not fit). `version` identifies the weights (tree_model._weights_version): the set is kept on
+    the model and remade when it changes. The first call measures and packs: about a second for a 1B model."""
+    kept = model.__dict__.get(_KEY)
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    model.__dict__.pop(_KEY, None)  # the old copies go before new ones are made
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
+               and m.weight.dtype in PACK_DTYPES]
+    available = _available_bytes()
+    if (os.environ.get("STREE_PACK_LINEARS", "1") == "0" or not linears or not torch.backends.mkldnn.is_available()
+            or available is not None and sum(m.weight.nbytes for m in linears) > MEMORY_SHARE * available):
+        forwards = {}
+    else:
+        plans, forwards = {}, {}  # one measurement per shape, dtype and bias presence
+        for m in linears:
+            key = (tuple(m.weight.shape), m.weight.dtype, m.bias is None)
+            if key in plans:
+                plan = plans[key] and (torch.ops.mkldnn._reorder_linear_weight(m.weight, PACK_ROWS), *plans[key][1:])
+            else:
+                plan = plans[key] = _plan(m.weight, m.bias)
+            if plan:
+                forwards[m] = _forward(m, *plan)
+    model.__dict__[_KEY] = (version, forwards)
+    return forwards
+
+
+def drop_packed_linears(model):
+    """Free the packed weights kept on `model` (the next TreeModel pass on it packs again)."""
+    model.__dict__.pop(_KEY, None)

@@ -1,0 +1,93 @@
+"""Linear layers on packed oneDNN weights (stree/models/packed.py), checked against torch's own F.linear and against
+HF's decoding. Whether packing pays is measured per machine, so these tests force it (MIN_GAIN = inf: the packed
+product is taken for every shape and row count) and also check the switches that turn it off."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stree
+from stree.models import TreeModel, packed, tiny_model
+from test_generate import hf_greedy, noisy_copy, prompts, without_eos
+from test_tree_model import assert_tree_logits_match_sequential
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setattr(packed, "MIN_GAIN", float("inf"))
+    monkeypatch.delenv("STREE_PACK_LINEARS", raising=False)
+
+
+def _version(model):
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_forward_equals_torch_linear(forced, dtype, tol, bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    model = torch.nn.Sequential(layer)
+    forward = packed.packed_linears(model, _version(model))[layer]
+    inputs = [torch.randn(1, 48), torch.randn(17, 48), torch.randn(2, 5, 48), torch.randn(7, 3, 48).transpose(0, 1),
+              torch.randn(0, 48)]
+    for x in inputs:
+        x = x.to(dtype)
+        out = forward(x)
+        assert out.shape == (*x.shape[:-1], 80)
+        torch.testing.assert_close(out.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=tol, atol=tol)
+
+
+def test_tree_passes_on_packed_weights_equal_sequential_decoding(forced):
+    """float32 tree passes with every Linear packed equal HF's sequential decode of each path (HF unpacked)."""
+    for family in ("bamba", "mamba2"):
+        model = tiny_model(family, dtype=torch.float32)
+        assert_tree_logits_match_sequential(model, prompt_len=7, T=10, seed=2, tol=1e-4)
+        forwards = model.__dict__[packed._KEY][1]
+        assert set(forwards) == {m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        assert all("forward" not in vars(m) for m in model.modules())  # HF's own forwards are back after a pass
+
+
+def test_greedy_generate_on_packed_weights_equals_hf(forced):
+    target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=11))
+    draft = noisy_copy(target, 0.02, 3)
+    for prompt in prompts([2, 12], seed=12):
+        assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=48),
+                           hf_greedy(target, prompt, 48))
+    assert target.__dict__[packed._KEY][1] and draft.__dict__[packed._KEY][1]
+
+
+def test_packed_weights_follow_weights_changed_in_place(forced):
+    model = tiny_model("bamba", dtype=torch.float32)
+    tm = TreeModel(model)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    tm.prefill(prompt)
+    first = model.__dict__[packed._KEY][1]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    assert_tree_logits_match_sequential(model, prompt_len=5, T=6, seed=4, tol=1e-4)
+    assert model.__dict__[packed._KEY][1] is not first
+
+
+def test_packing_is_off_by_switch_when_it_does_not_fit_and_in_float64(forced, monkeypatch):
+    def forwards(model):
+        packed.drop_packed_linears(model)
+        return packed.packed_linears(model, _version(model))
+    model = tiny_model("bamba", dtype=torch.float32)
+    assert forwards(model)
+    monkeypatch.setattr(packed, "_available_bytes", lambda: 1000)
+    assert forwards(model) == {}
+    monkeypatch.undo()
+    monkeypatch.setattr(packed, "MIN_GAIN", float("inf"))
+    monkeypatch.setenv("STREE_PACK_LINEARS", "0")
+    assert forwards(model) == {}
+    monkeypatch.delenv("STREE_PACK_LINEARS")
+    assert forwards(tiny_model("bamba", dtype=torch.float64)) == {}
+
+
+def test_packing_is_skipped_where_it_measures_slower(monkeypatch):
+    monkeypatch.setattr(packed, "MIN_GAIN", 0.0)  # nothing can be that fast
+    model = tiny_model("bamba", dtype=torch.float32)
+    assert packed.packed_linears(model, _version(model)) == {}
