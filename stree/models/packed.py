@@ -85,14 +85,14 @@ def _forward(module, packed, single, multi):
 
 @torch.no_grad()
 def packed_linears(model, version):
-    """{nn.Linear module: forward on its packed weight} for `model` on a CPU (empty elsewhere, or when packing does
-    not pay or does not fit). `version` identifies the weights (tree_model._weights_version): the set is kept on
+    """{nn.Linear module: forward on its packed weight} for `model`'s CPU layers: plain nn.Linear only (subclasses,
+    e.g. quantized ones, keep their forward), empty when packing does not pay or does not fit. `version` identifies the weights (tree_model._weights_version): the set is kept on
     the model and remade when it changes. The first call measures and packs: about a second for a 1B model."""
     kept = model.__dict__.get(_KEY)
     if kept is not None and kept[0] == version:
         return kept[1]
     model.__dict__.pop(_KEY, None)  # the old copies go before new ones are made
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype in PACK_DTYPES]
     available = _available_bytes()
     if (os.environ.get("STREE_PACK_LINEARS", "1") == "0" or not linears or not torch.backends.mkldnn.is_available()
