@@ -87,7 +87,8 @@ def _forward(module, packed, single, multi):
 def packed_linears(model, version):
     """{nn.Linear module: forward on its packed weight} for `model`'s CPU layers: plain nn.Linear only (subclasses,
     e.g. quantized ones, keep their forward), empty when packing does not pay or does not fit. `version`
-    identifies the weights (tree_model._weights_version): the set is kept on the model and remade when it changes. The first call measures and packs: about a second for a 1B model."""
+    identifies the weights (tree_model._weights_version): the set is kept on the model and remade when it changes.
+    The first call measures and packs: about a second for a 1B model."""
     kept = model.__dict__.get(_KEY)
     if kept is not None and kept[0] == version:
         return kept[1]
