@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import stree
 from stree.models import TreeModel, packed, tiny_model
+from stree.models.tree_model import _weights_version
 from test_generate import hf_greedy, noisy_copy, prompts, without_eos
 from test_tree_model import assert_tree_logits_match_sequential
 
@@ -19,17 +20,13 @@ def forced(monkeypatch):
     monkeypatch.delenv("STREE_PACK_LINEARS", raising=False)
 
 
-def _version(model):
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_forward_equals_torch_linear(forced, dtype, tol, bias):
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     model = torch.nn.Sequential(layer)
-    forward = packed.packed_linears(model, _version(model))[layer]
+    forward = packed.packed_linears(model, _weights_version(model))[layer]
     inputs = [torch.randn(1, 48), torch.randn(17, 48), torch.randn(2, 5, 48), torch.randn(7, 3, 48).transpose(0, 1),
               torch.randn(0, 48)]
     for x in inputs:
@@ -74,7 +71,7 @@ def test_packed_weights_follow_weights_changed_in_place(forced):
 def test_packing_is_off_by_switch_when_it_does_not_fit_and_in_float64(forced, monkeypatch):
     def forwards(model):
         packed.drop_packed_linears(model)
-        return packed.packed_linears(model, _version(model))
+        return packed.packed_linears(model, _weights_version(model))
     model = tiny_model("bamba", dtype=torch.float32)
     assert forwards(model)
     monkeypatch.setattr(packed, "_available_bytes", lambda: 1000)
@@ -90,4 +87,4 @@ def test_packing_is_off_by_switch_when_it_does_not_fit_and_in_float64(forced, mo
 def test_packing_is_skipped_where_it_measures_slower(monkeypatch):
     monkeypatch.setattr(packed, "MIN_GAIN", 0.0)  # nothing can be that fast
     model = tiny_model("bamba", dtype=torch.float32)
-    assert packed.packed_linears(model, _version(model)) == {}
+    assert packed.packed_linears(model, _weights_version(model)) == {}

@@ -10,7 +10,8 @@ dtype, at one row and at PACK_ROWS rows, and each call takes the faster for its 
 
 The packed weights are a second copy of the weights they pack. They are kept on the model (one set per weights
 version, see packed_linears) and made only when they fit in a quarter of the memory the system has available.
-Set STREE_PACK_LINEARS=0 to turn them off; drop_packed_linears(model) frees them.
+Set STREE_PACK_LINEARS=0 to turn them off (it is read when a model's set is made: before its first pass, after
+its weights change, or after drop_packed_linears(model), which frees them).
 """
 import os
 import time
