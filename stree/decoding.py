@@ -210,7 +210,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy)  # acceptance differs
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
-                kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, draft_width, spec.frontier, root)
+                kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, spec.frontier, root)
         costs = kept[key]
     # Paced rounds (adaptive trees): a round whose context has not paid lately is one plain step instead, at most
     # `max_steps` in a row (the draft then takes the skipped tokens in its next pass, within one pass's width).
@@ -270,9 +270,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     return (output, stats) if return_stats else output
 
 
-def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, token):
+def _calibrate(costs, target, draft, target_nodes, draft_rows, token):
     """Start the adaptive tree's cost model: time target passes of 1, 2, 4, 8 and `target_nodes` nodes (those up
-    to target_nodes: RoundCosts.verify_curve), a draft pass of `draft_width` nodes (LM head on `draft_rows`) and a
+    to target_nodes: RoundCosts.verify_curve), a draft pass of `draft_rows` nodes (a level's expanded nodes) and a
     plain step (a one-node target pass carrying the last commit, here an empty one), each the faster of two runs;
     both states are left unchanged. Compiled, this also compiles the one-node passes that paced rounds take."""
     def seconds(model, n, carrying=False, **kwargs):
@@ -292,7 +292,7 @@ def _calibrate(costs, target, draft, target_nodes, draft_width, draft_rows, toke
     times = list(itertools.accumulate((seconds(target, n) for n in sizes), max))
     costs.verify = times[0]
     costs.verify_curve = tuple((n, t - times[0]) for n, t in zip(sizes, times))  # one size (a 1-node target): flat
-    costs.draft = seconds(draft, draft_width, logits_for=list(range(min(draft_rows, draft_width))))
+    costs.draft = seconds(draft, draft_rows)
     costs.step = seconds(target, 1, carrying=True)
     return costs
 

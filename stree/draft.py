@@ -86,23 +86,27 @@ def tree_spec(tree):
 
 def tree_shapes(spec, paced=False):
     """Upper bounds of what one round builds with `spec`, for fixed-shape passes:
-    (target tree nodes, draft node slots, new draft nodes per pass). The draft's trunk (its first pass) holds at
-    most 2 tokens: every drafted node but the last level is fed to the draft, so at most one accepted node is
-    not in its cache, plus the bonus token; paced (adaptive rounds that may be plain steps, at most
-    new-nodes-per-pass - 2 in a row): as many as a pass's new nodes."""
+    (target tree nodes, draft node slots, new draft nodes per pass). The draft is fed only the nodes it expands
+    (_Growth.expand): its first pass the trunk, ending at the root, then each pass one level's expanded nodes.
+    Every node of an accepted path but the last has a child on it, so it was expanded: at most one accepted node
+    is not in the draft's cache, and the next trunk holds at most 2 tokens (that node and the bonus token).
+    paced (adaptive rounds that may be plain steps, at most new-nodes-per-pass - 2 in a row): the trunk may hold
+    as many as a pass's new nodes, which is then frontier * top_k."""
     if isinstance(spec, StaticTree):
         levels, width = [], 1
         for b in spec.branching:
             width *= b
             levels.append(width)
-        grown, per_pass = sum(levels), max(levels)
+        grown, expanded = sum(levels), levels[:-1]
     elif isinstance(spec, DynamicTree):
-        grown, per_pass = spec.depth * spec.frontier * spec.top_k, spec.frontier * spec.top_k
+        grown, expanded = spec.depth * spec.frontier * spec.top_k, [spec.frontier] * (spec.depth - 1)
     else:
-        grown, per_pass = spec.beams * spec.steps, spec.beams
+        grown, expanded = spec.beams * spec.steps, [spec.beams] * (spec.steps - 1)
     target_nodes = 1 + (min(grown, spec.budget) if isinstance(spec, DynamicTree) else grown)
-    per_pass = max(per_pass, 2)
-    return target_nodes, (per_pass if paced else 2) + grown + per_pass, per_pass
+    per_pass = max([2] + expanded)
+    if paced and isinstance(spec, DynamicTree):
+        per_pass = max(per_pass, spec.frontier * spec.top_k)
+    return target_nodes, (per_pass if paced else 2) + sum(expanded) + per_pass, per_pass
 
 
 @dataclass
@@ -233,7 +237,7 @@ class _Growth:
         self.parents = list(range(-1, len(trunk) - 1))
         self.depth = list(range(1 - len(trunk), 1))
         self.probs = {}
-        self.passed = 0  # nodes seen by the latest draft pass
+        self.fed = {}  # node -> its id in the draft's uncommitted tree (the nodes its passes have seen)
         self.passes = 0
         self.transfers = 0  # device-to-host copies
 
@@ -242,20 +246,29 @@ class _Growth:
         return self.depth.index(0)
 
     def expand(self, nodes, k, coverage=1.0):
-        """One draft pass over the nodes grown since the previous pass (the draft's uncommitted tree is extended,
-        not recomputed), then k children for each of `nodes` (ids among those new nodes): the top-k tokens when
-        greedy, else k draws without replacement (coverage < 1: only as many as the node's k most probable tokens
-        need to reach that share of its mass; see DynamicTree). The LM head runs on `nodes` only, and the choice is
-        one batched operation over (len(nodes), vocab) with one copy to the host.
+        """One draft pass over `nodes` and those of their ancestors no pass has seen yet (the draft's uncommitted
+        tree is extended, not recomputed; nodes never expanded are never fed, so a pass carries the expanded
+        nodes only, not every child of the last level), then k children for each of `nodes`: the top-k tokens
+        when greedy, else k draws without replacement (coverage < 1: only as many as the node's k most probable
+        tokens need to reach that share of its mass; see DynamicTree). The LM head runs on `nodes` only, and the
+        choice is one batched operation over (len(nodes), vocab) with one copy to the host.
 
         Returns {node: [(token, log q(token))]} in drawing order.
         """
         device = self.draft.device
-        tokens, parents = [self.tokens[self.passed:]], [self.parents[self.passed:]]
-        keep = [node - self.passed for node in nodes]
-        run = self.draft.extend if self.passed else self.draft.tree_forward
-        logits = run(tokens, parents, logits_for=keep)[0]                                  # (K, vocab)
-        self.passed = len(self.tokens)
+        new = set()
+        for node in nodes:
+            while node >= 0 and node not in self.fed and node not in new:
+                new.add(node)
+                node = self.parents[node]
+        new = sorted(new)  # topological: a parent's id is below its children's
+        run = self.draft.extend if self.fed else self.draft.tree_forward
+        for node in new:
+            self.fed[node] = len(self.fed)
+        tokens = [[self.tokens[n] for n in new]]
+        parents = [[self.fed.get(self.parents[n], -1) for n in new]]
+        position = {node: j for j, node in enumerate(new)}
+        logits = run(tokens, parents, logits_for=[position[n] for n in nodes])[0]         # (K, vocab)
         self.passes += 1
         generated = torch.tensor([self.generated + self.depth[n] for n in nodes], device=device)
         scores = self.sampler.scores(logits, generated)                                   # (K, vocab) float64
@@ -291,7 +304,7 @@ class _Growth:
         return DraftedTree(tokens=[self.tokens[i] for i in keep],
                            parents=[new_id[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
                            depth=[self.depth[i] for i in keep],
-                           pass_index=[i if i < self.passed else -1 for i in keep], passes=self.passes,
+                           pass_index=[self.fed.get(i, -1) for i in keep], passes=self.passes,
                            probs={new_id[i]: q for i, q in self.probs.items() if i in new_id},
                            transfers=self.transfers, expected=expected)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stree import BeamTree, DynamicTree, StaticTree
-from stree.draft import draft_tree
+from stree.draft import draft_tree, tree_shapes
 from stree.models import TreeModel, tiny_model
 from stree.sampling import Sampler
 
@@ -83,6 +83,33 @@ def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, 
     assert drafted.tokens[:len(trunk)] == trunk
     want = reference(model, prompt[0].tolist() + trunk, spec)
     assert drafted_paths(drafted, len(trunk)) == want
+
+
+@pytest.mark.parametrize("spec", [DynamicTree(budget=9, depth=4, top_k=3, frontier=2), BeamTree(beams=3, steps=3),
+                                  StaticTree((2, 2, 1))])
+def test_draft_passes_carry_only_the_nodes_they_expand(spec):
+    """The first pass carries the trunk; each later one only the nodes whose children it drafts (not every child
+    of the last level). Every node with a child in the tree was in a pass (so an accepted path misses at most its
+    last node), within tree_shapes' slots and pass width."""
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=3)
+    draft = TreeModel(model)
+    draft.prefill(torch.tensor([[1, 2, 3]]))
+    sizes = []
+    for name in ("tree_forward", "extend"):
+        run = getattr(draft, name)
+        setattr(draft, name, lambda tokens, parents, run=run, **kw: (sizes.append(len(tokens[0])),
+                                                                      run(tokens, parents, **kw))[1])
+    trunk = [4, 5]
+    drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0)
+    _, slots, width = tree_shapes(spec)
+    expanding = {"DynamicTree": getattr(spec, "frontier", 0), "BeamTree": getattr(spec, "beams", 0),
+                 "StaticTree": 4}[type(spec).__name__]
+    assert sizes[0] == len(trunk) and all(size <= min(expanding, width) for size in sizes[1:])
+    assert len(sizes) == drafted.passes
+    fed = [i for i in drafted.pass_index if i >= 0]
+    assert len(set(fed)) == len(fed) and set(fed) <= set(range(sum(sizes))) and sum(sizes) <= slots  # pruning may drop some
+    has_child = {p for p in drafted.parents if p >= 0}
+    assert all(drafted.pass_index[n] >= 0 for n in has_child | set(range(len(trunk))))
 
 
 @pytest.mark.parametrize("coverage", [1.0, 0.8, 0.5])

@@ -24,7 +24,8 @@ def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
     dt, _, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     s_q, C_q = gather_node_rows(s, rows), as_dtype(gather_node_rows(C, rows), cd)
     R = s_q.shape[1]
-    s_qh = s_q.transpose(1, 2)                                                          # (batch, H, R)
+    # Contiguous: `weight` below takes this layout, and a heads-innermost one sends matmul to a per-head copy path.
+    s_qh = s_q.transpose(1, 2).contiguous()                                             # (batch, H, R)
     # weight[b, h, i, k] = exp(s_i - s_k)·dt_k·(C_i·B_k) for k on path(i), else 0. Off-path entries are zeroed
     # before exp (s_i - s_k may overflow there) and after it; exp(0) is much cheaper than exp(-inf) on CPU.
     weight = (s_qh[..., :, None] - s.transpose(1, 2)[..., None, :]).masked_fill_(queries.off_path, 0.0)
