@@ -88,3 +88,40 @@ def test_packing_is_skipped_where_it_measures_slower(monkeypatch):
     monkeypatch.setattr(packed, "MIN_GAIN", 0.0)  # nothing can be that fast
     model = tiny_model("bamba", dtype=torch.float32)
     assert packed.packed_linears(model, _weights_version(model)) == {}
+
+
+def test_compiled_passes_call_the_packed_operator_and_equal_sequential_decoding(forced):
+    """A compiled TreeModel traces its packed layers as stree::packed_linear calls (the packed weight stays out of
+    the graph) and its passes still equal HF's sequential decode of each path."""
+    from test_tree_model import assert_node_logits_match_sequential, random_tree
+    targets = []
+
+    def backend(graph, example_inputs):
+        targets.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+    model = tiny_model("bamba", dtype=torch.float32, seed=5)
+    prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(6))
+    tm = TreeModel(model, nodes=8).compile(backend=backend)
+    tm.prefill(prompt)
+    tokens, parents = random_tree(7, seed=7)
+    logits = tm.tree_forward([tokens], [parents])[0]
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    op = torch.ops.stree.packed_linear
+    assert sum(t in (op, op.default) for t in targets) == linears
+    assert not any(t in (F.linear, torch._C._nn.linear) for t in targets)
+    assert_node_logits_match_sequential(logits, model, prompt, tokens, parents, 1e-4)
+
+
+def test_packed_operator_falls_back_to_the_layers_weight_once_unpacked(forced):
+    """A graph traced against a packed layer keeps giving its product after the packed copy is freed."""
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(24, 40)
+    model = torch.nn.Sequential(layer)
+    packed.packed_linears(model, _weights_version(model))
+    key = packed._KEYS[layer]
+    x = torch.randn(3, 24)
+    want = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(torch.ops.stree.packed_linear(x, layer.bias, key, 40), want, rtol=1e-5, atol=1e-5)
+    packed.drop_packed_linears(model)
+    assert key not in packed._PACKED
+    torch.testing.assert_close(torch.ops.stree.packed_linear(x, layer.bias, key, 40), want, rtol=1e-5, atol=1e-5)

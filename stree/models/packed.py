@@ -8,13 +8,20 @@ inductor uses when it freezes a model) takes 17 rows in about 1.3x the time of o
 Which is faster depends on the CPU, the shape and the number of rows, so it is measured once per weight shape and
 dtype, at one row and at PACK_ROWS rows, and each call takes the faster for its row count.
 
+A compiled pass (torch.compile) calls the packed product through the operator `stree::packed_linear`, which takes a
+key instead of the weight: the packed weight stays out of the graph (inductor cannot hold a oneDNN-layout tensor
+as a constant), and a graph keeps working when the weights are packed again (same key) or not at all (the operator
+then runs F.linear on the layer's own weight).
+
 The packed weights are a second copy of the weights they pack. They are kept on the model (one set per weights
 version, see packed_linears) and made only when they fit in a quarter of the memory the system has available.
 Set STREE_PACK_LINEARS=0 to turn them off (it is read when a model's set is made: before its first pass, after
 its weights change, or after drop_packed_linears(model), which frees them).
 """
+import itertools
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +31,37 @@ PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.9       # a packed product is used only where it measured at most this fraction of the plain one
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the available memory
 _KEY = "_stree_packed_linears"
+
+# The operator a compiled pass calls: key -> the layer (while it lives) and its packed weight (while packed).
+_LAYERS = weakref.WeakValueDictionary()
+_PACKED = weakref.WeakValueDictionary()
+_KEYS = weakref.WeakKeyDictionary()  # layer -> its key (stable across repacking)
+_next_key = itertools.count()
+_LIB = torch.library.Library("stree", "DEF")
+_LIB.define("packed_linear(Tensor x, Tensor? bias, int key, int out_features) -> Tensor")
+
+
+class _Packed:
+    """A packed weight, held by its model's set (packed_linears); _PACKED sees it only while that set lives."""
+    __slots__ = ("weight", "__weakref__")
+
+    def __init__(self, weight):
+        self.weight = weight
+
+
+def _packed_linear(x, bias, key, out_features):
+    packed = _PACKED.get(key)
+    if packed is None:  # packing was dropped after the graph was traced
+        return F.linear(x, _LAYERS[key].weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none", [], "")
+
+
+def _packed_linear_shape(x, bias, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("stree::packed_linear", _packed_linear_shape, lib=_LIB)
 
 
 def _available_bytes():
@@ -73,13 +111,21 @@ def _plan(weight, bias):
 
 
 def _forward(module, packed, single, multi):
-    """module's forward on the packed weight where it measured faster for the input's row count."""
+    """module's forward on the packed weight where it measured faster for the input's row count (compiled: through
+    the stree::packed_linear operator)."""
     weight, bias = module.weight, module.bias
+    key = _KEYS.get(module)
+    if key is None:
+        key = _KEYS[module] = next(_next_key)
+    _LAYERS[key] = module
+    holder = _PACKED[key] = _Packed(packed)
 
     def forward(x):
         rows = x.numel() // x.shape[-1]
         if rows and (multi if rows > 1 else single) and x.dtype == weight.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            if torch.compiler.is_compiling():
+                return torch.ops.stree.packed_linear(x, bias, key, weight.shape[0])
+            return torch.ops.mkldnn._linear_pointwise(x, holder.weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
     return forward
 

@@ -222,7 +222,7 @@ class TreeModel:
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
         weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
-        if self.device.type == "cpu" and not self._compiled:
+        if self.device.type == "cpu":
             self._linears = packed_linears(self.model, weights)
         with _swapped(self._linears):
             logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1,
@@ -271,7 +271,7 @@ class TreeModel:
             # such passes to two rows keeps them on the dynamic graph.
             self._min_rows = 2
         self.run = torch.compile(_own_copy(self._run), **options)
-        self._compiled, self._linears = True, {}  # inductor has its own weight layouts
+        self._compiled = True
         return self
 
     @torch.no_grad()
