@@ -260,6 +260,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             round_s = time.perf_counter() - round_start
             costs.update(draft_s, drafted.passes, verify_s, len(tokens), round_s - draft_s - verify_s,
                          len(accepted) - 1, drafted.expected)
+            costs.note_levels(len(accepted) - 1, accepted[-1] in parents)
             costs.note_round(context, len(accepted), round_s)
             hit, steps = len(accepted) > 1, 0
     if streamer is not None:

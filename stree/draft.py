@@ -113,8 +113,16 @@ def tree_shapes(spec, paced=False):
 class RoundCosts:
     """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass; a target pass of n nodes
     (target_time: verify + verify_node·n, or verify + the measured verify_curve at n); the rest of a round (commit,
-    bookkeeping); and calibration = tokens the target accepted / tokens the draft's path probabilities expected.
-    Measured once at the start (generate's calibration passes) and updated every round."""
+    bookkeeping); calibration = tokens the target accepted / tokens the tree's node estimates expected; and, for
+    sampled trees, level_accept. Measured once at the start (generate's calibration passes) and updated every
+    round.
+
+    Node estimates: greedy, a node's draft path probability (a greedy child is accepted when the target's argmax
+    is that token, which the draft's probability of it estimates). Sampled, the draft's probability of a drawn
+    token says how likely it was drawn, not how likely it is accepted (with a draft equal to the target every first
+    child is), so a sampled child is estimated at its parent's estimate times level_accept (the measured share of
+    verification steps at which a child of the last accepted node was accepted), split among its siblings in
+    proportion to their draft probabilities."""
     draft: float = 0.0
     verify: float = 0.0
     verify_node: float = 0.0
@@ -126,6 +134,18 @@ class RoundCosts:
     decay: float = 0.8
     step: float = 0.0     # seconds of a plain decoding step (one target node, no drafting); 0 = not measured yet
     paced: dict = field(default_factory=dict)  # round context (None: all) -> [weight, tokens, seconds]
+    level_hits: float = 1.0   # decayed counts behind level_accept (prior: one hit in two tries)
+    level_tries: float = 2.0
+
+    @property
+    def level_accept(self):
+        return self.level_hits / self.level_tries
+
+    def note_levels(self, accepted, stopped):
+        """Fold in one verification: `accepted` draft tokens, and whether it then stopped at a node that had
+        children (all rejected) rather than at a leaf."""
+        self.level_hits = self.PACE_MEMORY * self.level_hits + accepted
+        self.level_tries = self.PACE_MEMORY * self.level_tries + accepted + bool(stopped)
 
     @property
     def known(self):
@@ -318,9 +338,10 @@ def _static(growth, spec):
 
 
 def _dynamic(growth, spec):
-    joint = {growth.root: 0.0}  # log draft probability of the path below the root
+    joint = {growth.root: 0.0}  # log estimate that a node is accepted: its draft path probability (see RoundCosts)
     frontier, ratios = [growth.root], None
     costs = growth.costs if spec.adaptive and growth.costs is not None and growth.costs.known else None
+    sampled_estimates = costs is not None and not growth.sampler.greedy  # see RoundCosts
     for _ in range(spec.depth):
         expand = sorted(frontier, key=lambda n: -joint[n])[:spec.frontier]
         if not growth.sampler.greedy:  # the budget is spent during growth; ranks are known before drawing
@@ -332,11 +353,14 @@ def _dynamic(growth, spec):
         children = growth.expand(expand, spec.top_k, spec.coverage)
         frontier, ratios = [], [0.0] * spec.top_k
         for node in expand:
+            if sampled_estimates and children[node]:
+                share = math.log(costs.level_accept / sum(math.exp(log_q) for _, log_q in children[node]))
             for rank, (token, log_q) in enumerate(children[node]):
                 child = growth.add(node, token)
-                joint[child] = joint[node] + log_q
+                estimate = log_q + share if sampled_estimates else log_q
+                joint[child] = joint[node] + estimate
                 frontier.append(child)
-                ratios[rank] += math.exp(log_q) / len(expand)  # mean probability of the rank-th child
+                ratios[rank] += math.exp(estimate) / len(expand)  # mean estimate of the rank-th child
     if not growth.sampler.greedy:
         return growth.result(joint=joint)
     # Greedy: keep the `budget` most probable nodes (adaptive: as many as pay); a path's probability never exceeds

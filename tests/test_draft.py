@@ -141,6 +141,52 @@ def test_sampled_dynamic_trees_give_each_node_the_children_its_coverage_needs(co
     assert (fewer > 0) == (coverage < 1.0)  # the sharpened distributions leave some nodes a single child
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_adaptive_trees_estimate_sampled_nodes_by_measured_level_acceptance(sampled):
+    """The node estimates an adaptive tree sizes itself by (DraftedTree.expected is their sum), recomputed from the
+    drafted tree: sampled, a child is its parent's estimate times level_accept, split among its siblings by their
+    draft probabilities; greedy, the draft's path probability."""
+    from stree.draft import RoundCosts
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=4)
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(4))
+    costs = RoundCosts(draft=1e-9, verify=1.0)  # every level pays
+    costs.note_levels(3, True)
+    costs.note_levels(0, True)
+    assert costs.level_accept == pytest.approx((0.95 ** 2 + 0.95 * 3) / (2 * 0.95 ** 2 + 0.95 * 4 + 1))
+    spec = DynamicTree(budget=9, depth=3, top_k=2, frontier=2, adaptive=True, coverage=1.0)
+    for seed in range(3):
+        draft = TreeModel(model)
+        draft.prefill(prompt)
+        sampler = Sampler(1.0) if sampled else Sampler()
+        drafted = draft_tree(draft, [5], spec, sampler, generated=0, costs=costs,
+                             generator=torch.Generator().manual_seed(seed))
+        children, path = {}, {0: ()}
+        for node in range(1, len(drafted.tokens)):
+            children.setdefault(drafted.parents[node], []).append(node)
+            path[node] = path[drafted.parents[node]] + (drafted.tokens[node],)
+        estimate = {0: 1.0}
+        for node in range(1, len(drafted.tokens)):
+            parent = drafted.parents[node]
+            q = log_probs(model, prompt[0].tolist() + [5] + list(path[parent])).exp()
+            if sampled:
+                siblings = sum(float(q[drafted.tokens[s]]) for s in children[parent])
+                estimate[node] = estimate[parent] * costs.level_accept * float(q[drafted.tokens[node]]) / siblings
+            else:
+                estimate[node] = estimate[parent] * float(q[drafted.tokens[node]])
+        assert drafted.expected == pytest.approx(sum(estimate.values()) - 1.0, rel=1e-6)
+
+
+def test_level_acceptance_follows_verification():
+    """level_accept: accepted draft tokens over verification steps (a step that stopped at a leaf is not one), the
+    older rounds' counts decayed by 0.95 a round."""
+    from stree.draft import RoundCosts
+    costs = RoundCosts()
+    for _ in range(400):
+        costs.note_levels(3, True)   # three children accepted, then one node whose children were all rejected
+        costs.note_levels(2, False)  # two accepted, the second a leaf
+    assert costs.level_accept == pytest.approx((2 + 0.95 * 3) / (2 + 0.95 * 4), rel=1e-6)  # the last round weighs most
+
+
 def brute_force_rate(costs, probs, passes):
     """max over k of (1 + c * sum(top k)) / round_time(passes, 1 + k), by trying every k."""
     return max(((1 + costs.calibration * sum(probs[:k])) / costs.round_time(passes, 1 + k), k)
