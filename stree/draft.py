@@ -33,8 +33,9 @@ class DynamicTree:
 
     adaptive: decide each round's depth from measured costs (RoundCosts) instead of always drafting `depth`
     levels: another level is drafted only while its expected extra tokens per extra second beat the round's
-    current expected tokens per second (expected tokens: the draft's path probabilities, calibrated by how many
-    tokens the target actually accepted in earlier rounds).
+    current expected tokens per second (expected tokens: the nodes' estimates, RoundCosts: the draft's path
+    probabilities when greedy, the measured level acceptance when sampling, calibrated by how many tokens the
+    target actually accepted in earlier rounds).
 
     coverage (sampling only): an expanded node gets as many children, at most top_k, as its draft distribution's
     most probable tokens need to reach this share of its mass (a confident node one child, so the budget goes to
