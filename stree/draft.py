@@ -291,11 +291,11 @@ class _Growth:
         position = {node: j for j, node in enumerate(new)}
         logits = run(tokens, parents, logits_for=[position[n] for n in nodes])[0]         # (K, vocab)
         self.passes += 1
-        generated = torch.tensor([self.generated + self.depth[n] for n in nodes], device=device)
+        generated = [self.generated + self.depth[n] for n in nodes]  # a tensor only if min_new_tokens needs one
         scores = self.sampler.scores(logits, generated)                                   # (K, vocab) float64
         if self.sampler.greedy:
             values, picked = scores.log_softmax(-1).topk(k, dim=-1)
-            valid = torch.ones_like(values)
+            chosen = [picked.double(), values]
         else:
             probs = scores.softmax(-1)
             self.probs.update(zip(nodes, probs))
@@ -303,10 +303,11 @@ class _Growth:
             if coverage < 1.0:  # from probs alone, never from the draws
                 needed = (probs.topk(valid.shape[-1], dim=-1).values.cumsum(-1) < coverage).sum(-1, keepdim=True)
                 valid = valid * (torch.arange(valid.shape[-1], device=device) <= needed)
-            values = probs.gather(-1, picked).log()
-        host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
+            chosen = [picked.double(), probs.gather(-1, picked).log(), valid]
+        host = torch.stack(chosen).tolist()                                                # one transfer
         self.transfers += 1
-        return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
+        # (token, log q, [valid]) per child; greedy children are all valid
+        return {node: [(int(c[0]), c[1]) for c in zip(*(h[r] for h in host)) if len(c) == 2 or c[2]]
                 for r, node in enumerate(nodes)}
 
     def add(self, parent, token):

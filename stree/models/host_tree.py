@@ -6,6 +6,8 @@ earlier inputs it sees. All of it follows from the parent of each new node and w
 the tree grows, in one int64 buffer laid out as a pass wants it, and copied to the device once per pass, instead
 of being solved on the device (and validated with host syncs) every pass.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -115,32 +117,54 @@ class HostTree:
         if capacity > self.capacity:
             self._alloc(capacity)
 
-    def pass_inputs(self, start, width, length, device):
+    def pass_inputs(self, start, width, length, device, tokens=None, head_rows=(), extra=()):
         """What a pass over nodes start .. start+width-1 needs, over all `capacity` slots (fixed shapes: slots past
-        the tree are nobody's ancestors), copied to `device` in one transfer:
+        the tree are nobody's ancestors), as (flat, layout): one int64 tensor on `device`, copied in one transfer,
+        and the layout (plain ints) that unpack() reads it with. A compiled pass takes `flat` and unpacks it
+        itself: there the views cost nothing, and one input tensor is one guard and no aliased inputs. Holds:
 
             rows (width,) node ids; positions (batch, width) = length + depth (padding rows: length);
+            tokens (batch, width): the new nodes' tokens ((batch, R) ints, R <= width), zero-padded;
+            head_rows (K,): the `head_rows` given (the rows the LM head runs on); length () = committed tokens;
+            extra (E,): the `extra` ints given (a commit's nodes and K/V moves);
             parents (batch, capacity); mask (batch, capacity, capacity) bool;
-            windows {(width, state_len): (batch, capacity, width)}; length () = committed tokens.
+            windows {(width, state_len): (batch, capacity, width)}.
         """
         if start + width > self.capacity:
             raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
-        batch, capacity = self.batch, self.capacity
+        batch = self.batch
         real = max(0, min(self.n - start, width))
-        positions = np.full((batch, width), length, dtype=np.int64)
+        K, E = len(head_rows), len(extra)
+        header = np.zeros(width + 2 * batch * width + K + 1 + E, dtype=np.int64)
+        header[:width] = np.arange(start, start + width)
+        positions = header[width:width + batch * width].reshape(batch, width)
+        positions += length
         positions[:, :real] += self._depth[:, start:start + real]
-        header = np.concatenate([np.arange(start, start + width), positions.reshape(-1), [length]])
+        if tokens is not None and len(tokens):
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(batch, -1)
+            header[width + batch * width:width + 2 * batch * width].reshape(batch, width)[:, :tokens.shape[1]] = tokens
+        header[width + 2 * batch * width:][:K] = head_rows
+        header[width + 2 * batch * width + K] = length
+        header[width + 2 * batch * width + K + 1:] = extra
         # one fresh array (so what the device sees never changes with the tree), one transfer
         flat = torch.from_numpy(np.concatenate([header, self._packed])).to(device)
-        out, offset = {}, 0
-        for name, size in (("rows", width), ("positions", batch * width), ("length", 1),
-                           ("parents", batch * capacity), ("mask", batch * capacity * capacity)):
-            out[name], offset = flat[offset:offset + size], offset + size
-        out["positions"], out["length"] = out["positions"].view(batch, width), out["length"].view(())
-        out["parents"], out["mask"] = out["parents"].view(batch, capacity), out["mask"].view(
-            batch, capacity, capacity).bool()
-        out["windows"] = {}
-        for key in self.window_keys:
-            size = batch * capacity * key[0]
-            out["windows"][key], offset = flat[offset:offset + size].view(batch, capacity, key[0]), offset + size
+        return flat, (batch, width, K, E, self.capacity, self.window_keys)
+
+    @staticmethod
+    def unpack(flat, layout):
+        """pass_inputs' tensor as a dict of views (names and shapes as pass_inputs lists them)."""
+        batch, width, K, E, capacity, window_keys = layout
+        shapes = [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)), ("head_rows", (K,)),
+                  ("length", ()), ("extra", (E,)), ("parents", (batch, capacity)), ("mask", (batch, capacity, capacity))]
+        shapes += [(key, (batch, capacity, key[0])) for key in window_keys]
+        out, offset = {"windows": {}}, 0
+        for name, shape in shapes:
+            size = math.prod(shape)
+            view = flat[offset:offset + size].view(shape)
+            offset += size
+            if isinstance(name, tuple):
+                out["windows"][name] = view
+            else:
+                out[name] = view
+        out["mask"] = out["mask"].bool()
         return out

@@ -79,14 +79,16 @@ def _weights_version(model):
 
 @contextlib.contextmanager
 def _swapped(forwards):
-    """Modules' forwards replaced by the given ones ({module: forward}) for the duration of the block."""
+    """Modules' forwards replaced by the given ones ({module: forward}) for the duration of the block. (Written to
+    the instances' __dict__ directly: nn.Module's __setattr__ / __delattr__ would look for a parameter, buffer or
+    submodule of that name first, which costs more than a small model's pass can spare, for the same effect.)"""
     for module, forward in forwards.items():
-        module.forward = forward
+        module.__dict__["forward"] = forward
     try:
         yield
     finally:
         for module in forwards:
-            del module.forward
+            del module.__dict__["forward"]
 
 
 def _compile_options(options, cuda):
@@ -169,13 +171,13 @@ class TreeModel:
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._tree_forwards = {self.mixers[i]: self._tree_forward_of(i) for i in self.mixers}
         self._linears = {}     # nn.Linear -> its forward on a packed weight (CPU; see packed.py), set by prefill
+        self._swaps = dict(self._tree_forwards)  # every forward a pass swaps in
         self.nodes, self.pass_width = nodes, pass_width
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = False
         self._cache = None
         self._weights = None   # _weights_version(model) when the mixer adapters were built
         self.tree = None       # HostTree of the uncommitted tree
-        self._structure = None  # its (parents, mask, windows) device tensors as of the last pass
         self._pending = None   # the last commit's device arguments, until a pass (or reading `cache`) applies them
         self._pass = None
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
@@ -224,6 +226,7 @@ class TreeModel:
         weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
         if self.device.type == "cpu":
             self._linears = packed_linears(self.model, weights)
+            self._swaps = {**self._linears, **self._tree_forwards}
         with _swapped(self._linears):
             logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1,
                                 **kwargs).logits
@@ -245,7 +248,7 @@ class TreeModel:
                                      "mixer kind")
                 layers = kinds.pop()([self.mixers[i] for i in group.layers], group)
                 self._layers.update({i: (layers, j) for j, i in enumerate(group.layers)})
-        self.tree = self._structure = None
+        self.tree = None
         return logits[:, -1]
 
     def compile(self, *, pad_single=True, **options):
@@ -310,11 +313,11 @@ class TreeModel:
 
     def _grow(self, tokens, parents, logits_for):
         device, cache, tree = self.device, self._cache, self.tree
-        tokens = torch.as_tensor(tokens, device=device)
-        parents = parents.cpu().numpy() if isinstance(parents, torch.Tensor) else parents
-        if tokens.dim() != 2 or tokens.shape[0] != cache.batch or torch.Size(
-                getattr(parents, "shape", None) or (len(parents), len(parents[0]))) != tokens.shape:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and parents must both be (batch={cache.batch}, T)")
+        tokens, parents = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x) for x in (tokens, parents))
+        if tokens.ndim != 2 or tokens.shape[0] != cache.batch or parents.shape != tokens.shape:
+            raise ValueError(f"tokens {tokens.shape} and parents {parents.shape} must both be (batch={cache.batch}, T)")
+        if tokens.size and tokens.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         R = tokens.shape[1]
         if logits_for is not None:
             logits_for = [int(i) for i in (logits_for.reshape(-1).tolist() if isinstance(logits_for, torch.Tensor)
@@ -327,7 +330,7 @@ class TreeModel:
             if start + width > tree.capacity:
                 tree.reserve(max(start + width, 2 * tree.capacity))
             self.nodes = tree.capacity  # later trees start with as many slots
-            if self._pending is not None and (self._pending[0].shape[1] != tree.capacity or (
+            if self._pending is not None and (self._pending[1][4] != tree.capacity or (
                     cache.capacity is not None and cache.length + tree.capacity > cache.capacity)):
                 self._apply_pending()  # buffers are about to grow: the commit, shaped for the old ones, goes first
             for layers, _ in self._layers.values():
@@ -335,21 +338,17 @@ class TreeModel:
             cache.reserve(cache.length + tree.capacity)
             if getattr(self, "_static_buffers", False):
                 self._mark_static()
-            if width > R:
-                tokens = torch.cat([tokens, tokens.new_zeros(cache.batch, width - R)], dim=1)
-            inputs = tree.pass_inputs(start, width, cache.length, device)
-            inputs["levels"] = self._level_positions(start, width) if self._sequential else ()
             head_rows = list(range(R)) if logits_for is None else logits_for
             K = len(head_rows)
             rows = width if self.pass_width is not None else self._min_rows  # fixed shapes: always `width` rows
             if K < rows:
                 head_rows = head_rows + [0] * (rows - K)
+            flat, layout = tree.pass_inputs(start, width, cache.length, device, tokens, head_rows)
+            levels = self._level_positions(start, width) if self._sequential else ()
             pending, self._pending = self._pending, None
             try:
-                with _swapped({**self._linears, **self._tree_forwards}):
-                    logits = self.run(tokens, inputs, torch.tensor(head_rows, dtype=torch.long, device=device),
-                                      pending)
-                self._structure = (inputs["parents"], inputs["mask"], inputs["windows"])
+                with _swapped(self._swaps):
+                    logits = self.run(flat, layout, levels, pending)
             except BaseException:
                 if pending is not None:  # whether the commit was applied is unknown: the state is lost
                     self._cache = self.tree = None
@@ -378,12 +377,14 @@ class TreeModel:
         flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
         return flat.split([len(level) for level in levels])
 
-    def _run(self, tokens, inputs, head_rows, pending):
-        """The device part of a pass (no host sync, shapes fixed by the slots and pass width), after the pending
-        commit's (the arguments of _commit, or None). Returns logits (batch, len(head_rows), vocab)."""
+    def _run(self, flat, layout, levels, pending):
+        """The device part of a pass (no host sync, shapes fixed by the slots and pass width) over HostTree.pass_inputs'
+        (flat, layout) and the levels of _level_positions, after the pending commit's (the arguments of _commit, or
+        None). Returns logits (batch, K = the pass's head rows, vocab)."""
         if pending is not None:
             self._commit(*pending)
-        cache, rows = self._cache, inputs["rows"]
+        inputs = HostTree.unpack(flat, layout)
+        cache, rows, tokens = self._cache, inputs["rows"], inputs["tokens"]
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         kwargs = dict(position_ids=inputs["positions"])
         if self.uses_attention:
@@ -398,9 +399,9 @@ class TreeModel:
                                                    device=tokens.device).masked_fill_(~allowed[:, None],
                                                                                       torch.finfo(dtype).min)
             cache.begin_pass(inputs["length"] + rows)
-        self._pass = TreePass(index, rows, inputs["levels"])
+        self._pass = TreePass(index, rows, levels)
         hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
-        return self.logits(hidden.index_select(1, head_rows))
+        return self.logits(hidden.index_select(1, inputs["head_rows"]))
 
     def _mark_static(self):
         """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
@@ -448,28 +449,27 @@ class TreeModel:
         destinations = cache.length + np.arange(width)
         sources = np.tile(destinations, (cache.batch, 1))
         sources[:, :n] = cache.length + np.asarray(paths, dtype=np.int64).reshape(cache.batch, n)
-        packed = np.concatenate([np.asarray(nodes, dtype=np.int64), sources.reshape(-1),
-                                 np.tile(destinations, cache.batch)])
-        flat = torch.from_numpy(packed).to(self.device)
-        moves = flat[cache.batch:].view(2, cache.batch, width)
-        structure = self._structure
-        if structure[0].shape[1] != width:  # a failed pass grew the tree (and the buffers) after the last good one
-            grown = tree.pass_inputs(0, 0, cache.length, self.device)
-            structure = (grown["parents"], grown["mask"], grown["windows"])
-        self._pending = (*structure, flat[:cache.batch], moves)
+        moves = np.concatenate([np.asarray(nodes, dtype=np.int64), sources.reshape(-1),
+                                np.tile(destinations, cache.batch)])
+        # the tree's structure as it is now (a failed pass may have grown its slots since the last good one)
+        self._pending = tree.pass_inputs(0, 0, cache.length, self.device, extra=moves)
         cache.length += n
-        self.tree = self._structure = None
+        self.tree = None
 
-    def _commit(self, parents, mask, windows, nodes, moves):
-        """The device part of a commit (no host sync; fixed shapes): every state group to path(nodes) ((batch,)
-        int64) of the tree whose structure the last pass had, and the K/V moves (2, batch, slots): source and
-        destination positions. (Only those fixed-shape tensors come in: the pass's TreeIndex also caches what
-        depended on its rows, which would make the commit's graph depend on them.)"""
-        index = TreeIndex.prebuilt(parents, mask, windows)
+    def _commit(self, flat, layout):
+        """The device part of a commit (no host sync; fixed shapes): every state group to path(nodes) of the tree, and
+        the K/V moves, all read from HostTree.pass_inputs' (flat, layout) of commit(): the tree's structure, then as
+        `extra` the nodes (batch,) and the moves (2, batch, slots): source and destination positions. (Not the last
+        pass's inputs: the TreeIndex a pass builds also caches what depended on its rows, which would make the
+        commit's graph depend on them.)"""
+        inputs = HostTree.unpack(flat, layout)
+        batch, slots = layout[0], layout[4]
+        nodes, moves = inputs["extra"][:batch], inputs["extra"][batch:].view(2, batch, slots)
+        index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
             layers.commit(index, nodes)
         self._cache.move_positions(moves[0], moves[1])
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
-        self.tree = self._structure = None
+        self.tree = None
