@@ -41,3 +41,37 @@ def test_host_tree_matches_naive_walk_whole_and_node_by_node(seed, kind, batch):
         for width, state_len in KEYS:
             expected = window_index(torch.from_numpy(parents), torch.arange(T).expand(batch, T), width, state_len)
             np.testing.assert_array_equal(tree._windows[(width, state_len)][:, :T], expected.numpy())
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pass_inputs_unpack_to_what_a_pass_needs(seed, batch):
+    """pass_inputs' one tensor, unpacked: every field against the tree and arguments it was built from, for a pass
+    over the last nodes added, padded past them (padding rows: position = committed length, token 0)."""
+    rng = np.random.default_rng(seed)
+    T, length = 3 + 2 * seed, 7 + seed
+    parents = np.array(random_rows("random", T, batch, seed))
+    mask, depth = _naive(parents)
+    tree = HostTree(batch, KEYS, capacity=T + 3)
+    tree.add(parents[:, :2])
+    tree.add(parents[:, 2:])
+    start, width, R = 2, T - 2 + 2, T - 2  # the second add's nodes, padded by two slots
+    tokens = rng.integers(0, 100, (batch, R))
+    head_rows, extra = [1, 0, 0], rng.integers(-5, 50, 4).tolist()
+    flat, layout = tree.pass_inputs(start, width, length, "cpu", tokens, head_rows, extra)
+    got = HostTree.unpack(flat, layout)
+    np.testing.assert_array_equal(got["rows"], np.arange(start, start + width))
+    positions = np.full((batch, width), length)
+    positions[:, :R] += depth[:, start:]
+    np.testing.assert_array_equal(got["positions"], positions)
+    np.testing.assert_array_equal(got["tokens"], np.concatenate([tokens, np.zeros((batch, 2), int)], 1))
+    np.testing.assert_array_equal(got["head_rows"], head_rows)
+    np.testing.assert_array_equal(got["extra"], extra)
+    assert got["length"].item() == length and got["mask"].dtype == torch.bool
+    np.testing.assert_array_equal(got["parents"][:, :T], parents)
+    np.testing.assert_array_equal(got["mask"][:, :T, :T], mask.astype(bool))
+    assert not got["mask"][:, :T, T:].any()  # free slots are nobody's ancestors
+    for key in KEYS:
+        np.testing.assert_array_equal(got["windows"][key][:, :T], tree._windows[key][:, :T])
+    with pytest.raises(ValueError, match="node slots needed"):
+        tree.pass_inputs(start, tree.capacity, length, "cpu")

@@ -155,7 +155,8 @@ class HostTree:
         """pass_inputs' tensor as a dict of views (names and shapes as pass_inputs lists them)."""
         batch, width, K, E, capacity, window_keys = layout
         shapes = [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)), ("head_rows", (K,)),
-                  ("length", ()), ("extra", (E,)), ("parents", (batch, capacity)), ("mask", (batch, capacity, capacity))]
+                  ("length", ()), ("extra", (E,)), ("parents", (batch, capacity)),
+                  ("mask", (batch, capacity, capacity))]
         shapes += [(key, (batch, capacity, key[0])) for key in window_keys]
         out, offset = {"windows": {}}, 0
         for name, shape in shapes:
