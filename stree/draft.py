@@ -295,7 +295,7 @@ class _Growth:
         scores = self.sampler.scores(logits, generated)                                   # (K, vocab) float64
         if self.sampler.greedy:
             values, picked = scores.log_softmax(-1).topk(k, dim=-1)
-            chosen = [picked.double(), values]
+            valid = torch.ones_like(values)
         else:
             probs = scores.softmax(-1)
             self.probs.update(zip(nodes, probs))
@@ -303,11 +303,10 @@ class _Growth:
             if coverage < 1.0:  # from probs alone, never from the draws
                 needed = (probs.topk(valid.shape[-1], dim=-1).values.cumsum(-1) < coverage).sum(-1, keepdim=True)
                 valid = valid * (torch.arange(valid.shape[-1], device=device) <= needed)
-            chosen = [picked.double(), probs.gather(-1, picked).log(), valid]
-        host = torch.stack(chosen).tolist()                                                # one transfer
+            values = probs.gather(-1, picked).log()
+        host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
         self.transfers += 1
-        # (token, log q, [valid]) per child; greedy children are all valid
-        return {node: [(int(c[0]), c[1]) for c in zip(*(h[r] for h in host)) if len(c) == 2 or c[2]]
+        return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
                 for r, node in enumerate(nodes)}
 
     def add(self, parent, token):

@@ -7,9 +7,45 @@ the tree grows, in one int64 buffer laid out as a pass wants it, and copied to t
 of being solved on the device (and validated with host syncs) every pass.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+
+class PassLayout(NamedTuple):
+    """The sizes (plain ints, which a compiled pass specialises on) that place each field of pass_inputs' one
+    tensor: see _fields."""
+    batch: int
+    width: int
+    head_rows: int
+    extra: int
+    capacity: int
+    window_keys: tuple
+
+
+def _structure_fields(batch, capacity, window_keys):
+    """[(name, shape)] of a tree's structure as HostTree keeps it (and as a pass's tensor ends with it)."""
+    return [("parents", (batch, capacity)), ("mask", (batch, capacity, capacity))] + [
+        (key, (batch, capacity, key[0])) for key in window_keys]
+
+
+def _fields(layout):
+    """[(name, shape)] of pass_inputs' tensor, in order: its header, then the structure."""
+    batch, width = layout.batch, layout.width
+    return [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)),
+            ("head_rows", (layout.head_rows,)), ("length", ()), ("extra", (layout.extra,))] + _structure_fields(
+        batch, layout.capacity, layout.window_keys)
+
+
+def _split(flat, fields):
+    """{name: view} of consecutive fields [(name, shape)] of a flat numpy array or tensor."""
+    out, offset = {}, 0
+    for name, shape in fields:
+        size = math.prod(shape)
+        out[name] = flat[offset:offset + size].reshape(shape)
+        offset += size
+    return out
 
 
 class HostTree:
@@ -30,15 +66,11 @@ class HostTree:
         writes every column of a node's rows."""
         old = vars(self).copy() if hasattr(self, "_parents") else None
         batch, C = self.batch, capacity
-        shapes = [(batch, C), (batch, C, C)] + [(batch, C, width) for width, _ in self.window_keys]
-        self._packed = np.zeros(sum(int(np.prod(s)) for s in shapes), dtype=np.int64)  # what a pass copies
-        views, offset = [], 0
-        for shape in shapes:
-            size = int(np.prod(shape))
-            views.append(self._packed[offset:offset + size].reshape(shape))
-            offset += size
-        self._parents, self._mask = views[0], views[1]
-        self._windows = dict(zip(self.window_keys, views[2:]))
+        fields = _structure_fields(batch, C, self.window_keys)
+        self._packed = np.zeros(sum(math.prod(shape) for _, shape in fields), dtype=np.int64)  # what a pass copies
+        views = _split(self._packed, fields)
+        self._parents, self._mask = views["parents"], views["mask"]
+        self._windows = {key: views[key] for key in self.window_keys}
         self._parents.fill(-1)
         self._depth = np.zeros((batch, C), dtype=np.int64)
         if old is not None:
@@ -120,8 +152,8 @@ class HostTree:
     def pass_inputs(self, start, width, length, device, tokens=None, head_rows=(), extra=()):
         """What a pass over nodes start .. start+width-1 needs, over all `capacity` slots (fixed shapes: slots past
         the tree are nobody's ancestors), as (flat, layout): one int64 tensor on `device`, copied in one transfer,
-        and the layout (plain ints) that unpack() reads it with. A compiled pass takes `flat` and unpacks it
-        itself: there the views cost nothing, and one input tensor is one guard and no aliased inputs. Holds:
+        and the PassLayout that unpack() reads it with. A compiled pass takes `flat` and unpacks it itself: there
+        the views cost nothing, and one input tensor is one guard and no aliased inputs. Holds:
 
             rows (width,) node ids; positions (batch, width) = length + depth (padding rows: length);
             tokens (batch, width): the new nodes' tokens ((batch, R) ints, R <= width), zero-padded;
@@ -134,38 +166,27 @@ class HostTree:
             raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
         batch = self.batch
         real = max(0, min(self.n - start, width))
-        K, E = len(head_rows), len(extra)
-        header = np.zeros(width + 2 * batch * width + K + 1 + E, dtype=np.int64)
-        header[:width] = np.arange(start, start + width)
-        positions = header[width:width + batch * width].reshape(batch, width)
-        positions += length
-        positions[:, :real] += self._depth[:, start:start + real]
+        layout = PassLayout(batch, width, len(head_rows), len(extra), self.capacity, self.window_keys)
+        fields = _fields(layout)
+        # a fresh array (so what the device sees never changes with the tree), one transfer
+        host = np.zeros(sum(math.prod(shape) for _, shape in fields), dtype=np.int64)
+        views = _split(host, fields)
+        views["rows"][:] = np.arange(start, start + width)
+        views["positions"][:] = length
+        views["positions"][:, :real] += self._depth[:, start:start + real]
         if tokens is not None and len(tokens):
             tokens = np.asarray(tokens, dtype=np.int64).reshape(batch, -1)
-            header[width + batch * width:width + 2 * batch * width].reshape(batch, width)[:, :tokens.shape[1]] = tokens
-        header[width + 2 * batch * width:][:K] = head_rows
-        header[width + 2 * batch * width + K] = length
-        header[width + 2 * batch * width + K + 1:] = extra
-        # one fresh array (so what the device sees never changes with the tree), one transfer
-        flat = torch.from_numpy(np.concatenate([header, self._packed])).to(device)
-        return flat, (batch, width, K, E, self.capacity, self.window_keys)
+            views["tokens"][:, :tokens.shape[1]] = tokens
+        views["head_rows"][:] = head_rows
+        views["length"][...] = length
+        views["extra"][:] = extra
+        host[-self._packed.size:] = self._packed
+        return torch.from_numpy(host).to(device), layout
 
     @staticmethod
     def unpack(flat, layout):
         """pass_inputs' tensor as a dict of views (names and shapes as pass_inputs lists them)."""
-        batch, width, K, E, capacity, window_keys = layout
-        shapes = [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)), ("head_rows", (K,)),
-                  ("length", ()), ("extra", (E,)), ("parents", (batch, capacity)),
-                  ("mask", (batch, capacity, capacity))]
-        shapes += [(key, (batch, capacity, key[0])) for key in window_keys]
-        out, offset = {"windows": {}}, 0
-        for name, shape in shapes:
-            size = math.prod(shape)
-            view = flat[offset:offset + size].view(shape)
-            offset += size
-            if isinstance(name, tuple):
-                out["windows"][name] = view
-            else:
-                out[name] = view
+        out = _split(flat, _fields(layout))
         out["mask"] = out["mask"].bool()
+        out["windows"] = {key: out.pop(key) for key in layout.window_keys}
         return out

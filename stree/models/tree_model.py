@@ -171,7 +171,6 @@ class TreeModel:
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._tree_forwards = {self.mixers[i]: self._tree_forward_of(i) for i in self.mixers}
         self._linears = {}     # nn.Linear -> its forward on a packed weight (CPU; see packed.py), set by prefill
-        self._swaps = dict(self._tree_forwards)  # every forward a pass swaps in
         self.nodes, self.pass_width = nodes, pass_width
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = False
@@ -226,7 +225,6 @@ class TreeModel:
         weights = _weights_version(self.model)  # the mixer adapters hold constants derived from the weights
         if self.device.type == "cpu":
             self._linears = packed_linears(self.model, weights)
-            self._swaps = {**self._linears, **self._tree_forwards}
         with _swapped(self._linears):
             logits = self.model(input_ids=input_ids, cache=hf_cache, use_cache=True, logits_to_keep=1,
                                 **kwargs).logits
@@ -330,7 +328,7 @@ class TreeModel:
             if start + width > tree.capacity:
                 tree.reserve(max(start + width, 2 * tree.capacity))
             self.nodes = tree.capacity  # later trees start with as many slots
-            if self._pending is not None and (self._pending[1][4] != tree.capacity or (
+            if self._pending is not None and (self._pending[1].capacity != tree.capacity or (
                     cache.capacity is not None and cache.length + tree.capacity > cache.capacity)):
                 self._apply_pending()  # buffers are about to grow: the commit, shaped for the old ones, goes first
             for layers, _ in self._layers.values():
@@ -347,7 +345,7 @@ class TreeModel:
             levels = self._level_positions(start, width) if self._sequential else ()
             pending, self._pending = self._pending, None
             try:
-                with _swapped(self._swaps):
+                with _swapped({**self._linears, **self._tree_forwards}):
                     logits = self.run(flat, layout, levels, pending)
             except BaseException:
                 if pending is not None:  # whether the commit was applied is unknown: the state is lost
@@ -463,7 +461,7 @@ class TreeModel:
         pass's inputs: the TreeIndex a pass builds also caches what depended on its rows, which would make the
         commit's graph depend on them.)"""
         inputs = HostTree.unpack(flat, layout)
-        batch, slots = layout[0], layout[4]
+        batch, slots = layout.batch, layout.capacity
         nodes, moves = inputs["extra"][:batch], inputs["extra"][batch:].view(2, batch, slots)
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
