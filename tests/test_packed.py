@@ -26,7 +26,11 @@ def test_packed_forward_equals_torch_linear(forced, dtype, tol, bias):
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     model = torch.nn.Sequential(layer)
-    forward = packed.packed_linears(model, _weights_version(model))[layer]
+    forwards = packed.packed_linears(model, _weights_version(model))
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert layer not in forwards  # oneDNN has no bf16 product on this CPU (AVX2): the layer keeps F.linear
+        return
+    forward = forwards[layer]
     inputs = [torch.randn(1, 48), torch.randn(17, 48), torch.randn(2, 5, 48), torch.randn(7, 3, 48).transpose(0, 1),
               torch.randn(0, 48)]
     for x in inputs:
