@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loops import KINDS, path_to, random_rows
-from stree.models.host_tree import HostTree
+from stree.models.host_tree import HostTree, PassLayout
 from triton_kernels.utils import window_index
 
 KEYS = ((4, 3), (2, 5))  # (conv width, state columns)
@@ -75,3 +75,43 @@ def test_pass_inputs_unpack_to_what_a_pass_needs(seed, batch):
         np.testing.assert_array_equal(got["windows"][key][:, :T], tree._windows[key][:, :T])
     with pytest.raises(ValueError, match="node slots needed"):
         tree.pass_inputs(start, tree.capacity, length, "cpu")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_levels_extended_on_the_device_match_the_naive_walk(seed, batch):
+    """HostTree.extended (a level of new nodes whose tokens and parents are tensors, added to the last pass's
+    structure): the pass tensor it builds against the naive walk and window_index, level after level, padded
+    passes included; the header's positions are the level's depth, its tokens the given ones."""
+    rng = np.random.default_rng(seed)
+    trunk, length, capacity = 1 + seed, 5, 24
+    parents = np.array(random_rows("random", trunk, batch, seed))
+    tree = HostTree(batch, KEYS, capacity=capacity)
+    tree.add(parents)
+    flat, _ = tree.pass_inputs(0, trunk, length, "cpu")
+    structure = flat[flat.numel() - tree.structure_size:]
+    last = np.arange(trunk)[None].repeat(batch, 0)
+    for R, pad in ((2, 0), (3, 2), (1, 1), (4, 0)):
+        start = parents.shape[1]
+        level = np.stack([rng.choice(row, R) for row in last])  # each new node a child of an earlier node
+        tokens = torch.from_numpy(rng.integers(0, 100, (batch, R)))
+        depth = rng.integers(1, 9, (batch, R))  # extended() takes the header's positions as given
+        layout = PassLayout(batch, R + pad, R, 0, capacity, KEYS)
+        header = torch.from_numpy(HostTree.header(layout, start, length, depth, head_rows=list(range(R))))
+        flat = HostTree.extended(header, tokens, torch.from_numpy(level), structure, layout)
+        structure = flat[flat.numel() - tree.structure_size:]
+        parents = np.concatenate([parents, level], 1)
+        got, T = HostTree.unpack(flat, layout), parents.shape[1]
+        mask, _ = _naive(parents)
+        np.testing.assert_array_equal(got["rows"], np.arange(start, start + R + pad))
+        np.testing.assert_array_equal(got["positions"][:, :R], length + depth)
+        np.testing.assert_array_equal(got["positions"][:, R:], length)
+        np.testing.assert_array_equal(got["tokens"][:, :R], tokens)
+        assert not got["tokens"][:, R:].any()
+        np.testing.assert_array_equal(got["parents"][:, :T], parents)
+        np.testing.assert_array_equal(got["mask"][:, :T, :T], mask.astype(bool))
+        assert not got["mask"][:, T:].any() and not got["mask"][:, :, T:].any()
+        for width, state_len in KEYS:
+            expected = window_index(torch.from_numpy(parents), torch.arange(T).expand(batch, T), width, state_len)
+            np.testing.assert_array_equal(got["windows"][(width, state_len)][:, :T], expected.numpy())
+        last = np.arange(start, T)[None].repeat(batch, 0)

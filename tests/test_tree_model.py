@@ -138,6 +138,54 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)], hf_tol(family))
 
 
+@pytest.mark.parametrize("family, batch", [(f, 1) for f in FAMILIES] + [("bamba", 2), ("qwen3_next", 3)])
+def test_levels_grown_on_the_device_equal_sequential_decoding(family, batch):
+    """A trunk pass, then levels of nodes chosen on the device (extend_on_device: tokens and parents from choose(),
+    the host tree told only at settle()), every row its own tree: every new node's logits equal HF's sequential
+    decoding of its path, and after settle() the commit of a node of the last level leaves each row's state HF's
+    (then a host-built tree on top still agrees)."""
+    model = tiny_model(family, dtype=torch.float64)
+    g = torch.Generator().manual_seed(31)
+    prompts = torch.randint(0, 64, (batch, 6), generator=g)
+    tokens, parents = [[4, 9]] * batch, [[-1, 0]] * batch
+    tm = TreeModel(model, nodes=4)
+    tm.prefill(prompts)
+    tm.tree_forward(tokens, parents, logits_for=[1], slots=12)
+    last, grown = [1], [[] for _ in range(batch)]
+    tol = dict(rtol=hf_tol(family), atol=hf_tol(family))
+    for depth, size in enumerate((3, 1, 4, 2), 2):
+        level_parents = [[last[int(i)] for i in torch.randint(0, len(last), (size,), generator=g)] for _ in grown]
+        level_tokens = torch.randint(0, 64, (batch, size), generator=g).tolist()
+        chosen = (torch.tensor(level_tokens), torch.tensor(level_parents), "carried")
+        carry, logits = tm.extend_on_device(size, depth, lambda: chosen, then=lambda logits, carry: (carry, logits))
+        assert carry == "carried" and logits.shape == (batch, size, 64)
+        new = list(range(len(tokens[0]), len(tokens[0]) + size))
+        for b in range(batch):
+            tokens[b], parents[b] = tokens[b] + level_tokens[b], parents[b] + level_parents[b]
+            grown[b] += level_parents[b]
+            for row, node in enumerate(new):
+                want, _ = decode_sequentially(model, prompts[b:b + 1], [tokens[b][k] for k in path_to(parents[b], node)])
+                torch.testing.assert_close(logits[b, row], want.to(logits.dtype), **tol)
+        last = new
+    with pytest.raises(RuntimeError, match="settle"):
+        tm.commit([last[0]] * batch)
+    with pytest.raises(ValueError, match="10 nodes"):
+        tm.settle([row[:-1] for row in grown])
+    tm.settle(grown)
+    accepted = [last[b % len(last)] for b in range(batch)]
+    tm.commit(accepted)
+    fed = [[tokens[b][k] for k in path_to(parents[b], accepted[b])] for b in range(batch)]
+    logits = tm.tree_forward([[7, 8]] * batch, [[-1, -1]] * batch)
+    for b in range(batch):
+        _, ref_cache = decode_sequentially(model, prompts[b:b + 1], fed[b])
+        got, want = state_tensors(tm.cache), hf_tensors(ref_cache)
+        for name in want:
+            torch.testing.assert_close(got[name][b:b + 1], want[name].to(got[name].dtype), **tol, msg=name)
+        for row, token in enumerate((7, 8)):
+            want, _ = decode_sequentially(model, prompts[b:b + 1], fed[b] + [token])
+            torch.testing.assert_close(logits[b, row], want.to(logits.dtype), **tol)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_commits_applied_by_the_next_pass_equal_sequential_decoding(family, monkeypatch):
     """A commit's device part runs with the next pass. Commits never read in between, then a tree that makes every

@@ -30,12 +30,20 @@ def _structure_fields(batch, capacity, window_keys):
         (key, (batch, capacity, key[0])) for key in window_keys]
 
 
-def _fields(layout):
-    """[(name, shape)] of pass_inputs' tensor, in order: its header, then the structure."""
+def _header_fields(layout):
+    """[(name, shape)] of the header of pass_inputs' tensor (what a pass needs besides the tree's structure)."""
     batch, width = layout.batch, layout.width
     return [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)),
-            ("head_rows", (layout.head_rows,)), ("length", ()), ("extra", (layout.extra,))] + _structure_fields(
-        batch, layout.capacity, layout.window_keys)
+            ("head_rows", (layout.head_rows,)), ("length", ()), ("extra", (layout.extra,))]
+
+
+def _fields(layout):
+    """[(name, shape)] of pass_inputs' tensor, in order: its header, then the structure."""
+    return _header_fields(layout) + _structure_fields(layout.batch, layout.capacity, layout.window_keys)
+
+
+def _size(fields):
+    return sum(math.prod(shape) for _, shape in fields)
 
 
 def _split(flat, fields):
@@ -67,7 +75,7 @@ class HostTree:
         old = vars(self).copy() if hasattr(self, "_parents") else None
         batch, C = self.batch, capacity
         fields = _structure_fields(batch, C, self.window_keys)
-        self._packed = np.zeros(sum(math.prod(shape) for _, shape in fields), dtype=np.int64)  # what a pass copies
+        self._packed = np.zeros(_size(fields), dtype=np.int64)  # what a pass copies
         views = _split(self._packed, fields)
         self._parents, self._mask = views["parents"], views["mask"]
         self._windows = {key: views[key] for key in self.window_keys}
@@ -80,6 +88,11 @@ class HostTree:
             for key in self.window_keys:
                 self._windows[key][:, :n] = old["_windows"][key][:, :n]
         self.capacity = capacity
+
+    @property
+    def structure_size(self):
+        """int64 entries of the structure that ends pass_inputs' tensor."""
+        return self._packed.size
 
     @property
     def parents(self):
@@ -164,24 +177,53 @@ class HostTree:
         """
         if start + width > self.capacity:
             raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
-        batch = self.batch
         real = max(0, min(self.n - start, width))
-        layout = PassLayout(batch, width, len(head_rows), len(extra), self.capacity, self.window_keys)
-        fields = _fields(layout)
+        layout = PassLayout(self.batch, width, len(head_rows), len(extra), self.capacity, self.window_keys)
+        header = self.header(layout, start, length, self._depth[:, start:start + real], tokens, head_rows, extra)
         # a fresh array (so what the device sees never changes with the tree), one transfer
-        host = np.zeros(sum(math.prod(shape) for _, shape in fields), dtype=np.int64)
+        return torch.from_numpy(np.concatenate([header, self._packed])).to(device), layout
+
+    @staticmethod
+    def header(layout, start, length, depth, tokens=None, head_rows=(), extra=()):
+        """The header of pass_inputs' tensor (a numpy int64 array) for a pass over slots start .. start+width-1
+        whose first R rows are real nodes at depths `depth` (batch, R) and tokens `tokens` (batch, R) (None:
+        zeros); the rest as pass_inputs says."""
+        fields = _header_fields(layout)
+        host = np.zeros(_size(fields), dtype=np.int64)
         views = _split(host, fields)
-        views["rows"][:] = np.arange(start, start + width)
+        views["rows"][:] = np.arange(start, start + layout.width)
         views["positions"][:] = length
-        views["positions"][:, :real] += self._depth[:, start:start + real]
+        views["positions"][:, :depth.shape[1]] += depth
         if tokens is not None and len(tokens):
-            tokens = np.asarray(tokens, dtype=np.int64).reshape(batch, -1)
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(layout.batch, -1)
             views["tokens"][:, :tokens.shape[1]] = tokens
         views["head_rows"][:] = head_rows
         views["length"][...] = length
         views["extra"][:] = extra
-        host[-self._packed.size:] = self._packed
-        return torch.from_numpy(host).to(device), layout
+        return host
+
+    @staticmethod
+    def extended(header, tokens, parents, structure, layout):
+        """A pass's flat tensor (as pass_inputs gives it) for new nodes whose tokens and parents (batch, R) are on
+        the device (no host sync): `header` (header()'s, on the device, its rows the new nodes' slots) with the
+        tokens written in, then `structure` (the tree's as the last pass's tensor ended with it) with the new nodes
+        added by add()'s rule: path(i) = path(p) + i, a node's window is its parent's shifted by one plus its own
+        column. Every parent must be an earlier node (>= 0)."""
+        batch, R = parents.shape
+        C, fields = layout.capacity, _header_fields(layout)
+        at = _size(fields[:2])  # the tokens field follows rows and positions
+        padded = torch.cat([tokens, tokens.new_zeros(batch, layout.width - R)], 1)
+        head = torch.cat([header[:at], padded.reshape(-1), header[at + padded.numel():]])
+        old = _split(structure, _structure_fields(batch, C, layout.window_keys))
+        slots = header[:R]  # the rows field: the new nodes' ids
+        gather = lambda t: t.gather(1, parents[..., None].expand(batch, R, t.shape[-1]))  # noqa: E731 (parents' rows)
+        own = (torch.arange(C, device=slots.device) == slots[:, None]).long()
+        new = {"parents": old["parents"].index_copy(1, slots, parents),
+               "mask": old["mask"].index_copy(1, slots, gather(old["mask"]) | own)}
+        for key in layout.window_keys:
+            column = (key[1] + slots).expand(batch, R)[..., None]
+            new[key] = old[key].index_copy(1, slots, torch.cat([gather(old[key])[..., 1:], column], -1))
+        return torch.cat([head] + [new[name].reshape(-1) for name, _ in _structure_fields(batch, C, layout.window_keys)])
 
     @staticmethod
     def unpack(flat, layout):

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from ..triton_kernels import TreeIndex
 from .cache import StateCache
 from .gated_delta import GatedDeltaLayers
-from .host_tree import HostTree
+from .host_tree import HostTree, PassLayout
 from .kimi_delta import KimiDeltaLayers
 from .mamba1 import Mamba1Layers
 from .mamba2 import Mamba2Layers
@@ -179,6 +179,8 @@ class TreeModel:
         self.tree = None       # HostTree of the uncommitted tree
         self._pending = None   # the last commit's device arguments, until a pass (or reading `cache`) applies them
         self._pass = None
+        self._structure = None  # the tree's structure as the last pass saw it, on the device (extend_on_device's)
+        self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
         self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
@@ -276,20 +278,22 @@ class TreeModel:
         return self
 
     @torch.no_grad()
-    def tree_forward(self, tokens, parents, *, logits_for=None):
+    def tree_forward(self, tokens, parents, *, logits_for=None, slots=None):
         """Logits (batch, T, vocab) of every node of a tree on top of the committed sequence, in one pass.
 
         tokens (batch, T) ints (tensor or nested lists); parents (batch, T) ints, parents[b, i] < i, -1 = child of
         the committed sequence. Node i's logits are those the model gives after the sequence + path(i).
         logits_for: optional (K,) node ids; then only their logits are computed (LM head on K rows):
-        (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() may grow the
-        tree first.
+        (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() or
+        extend_on_device() may grow the tree first. slots: node slots the tree is to hold at least (a tree grown on
+        the device cannot grow its buffers).
         """
         if self._cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
         if self.tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
-        self.tree = HostTree(self._cache.batch, self.window_keys, capacity=self.nodes)
+        self.tree = HostTree(self._cache.batch, self.window_keys, capacity=max(self.nodes, slots or 0))
+        self._unsettled = 0
         try:
             return self._grow(tokens, parents, logits_for)
         finally:
@@ -311,6 +315,7 @@ class TreeModel:
 
     def _grow(self, tokens, parents, logits_for):
         device, cache, tree = self.device, self._cache, self.tree
+        self._check_settled()
         tokens, parents = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x) for x in (tokens, parents))
         if tokens.ndim != 2 or tokens.shape[0] != cache.batch or parents.shape != tokens.shape:
             raise ValueError(f"tokens {tokens.shape} and parents {parents.shape} must both be (batch={cache.batch}, T)")
@@ -342,7 +347,7 @@ class TreeModel:
             if K < rows:
                 head_rows = head_rows + [0] * (rows - K)
             flat, layout = tree.pass_inputs(start, width, cache.length, device, tokens, head_rows)
-            levels = self._level_positions(start, width) if self._sequential else ()
+            levels = self._level_positions(tree.levels(start, width)) if self._sequential else ()
             pending, self._pending = self._pending, None
             try:
                 with _swapped({**self._linears, **self._tree_forwards}):
@@ -357,14 +362,64 @@ class TreeModel:
         except BaseException:  # the buffers' new slots are simply reused by the next pass
             tree.truncate(start)
             raise
+        self._structure = flat[flat.numel() - tree.structure_size:]
         return logits[:, :K]
 
-    def _level_positions(self, start, width):
-        """The pass's positions grouped by level (HostTree.levels) on the device, in one copy. A compiled pass has as
+    @torch.no_grad()
+    def extend_on_device(self, R, depth, choose, args=(), then=None):
+        """Grow the uncommitted tree by one level of R new nodes chosen on the device, without a host sync.
+
+        choose(*args) -> (tokens, parents, carry): the new nodes' tokens and parents, (batch, R) int64 tensors on the
+        model's device; parents are ids of nodes already in the tree, none of them new (the new nodes get the next
+        R ids, as in extend()). Every new node is `depth` below the committed sequence (position length + depth).
+        then(logits, carry) -> out, logits (batch, R, vocab) of the new nodes; without it out = logits.
+        Both run inside the pass's call (compiled with it: a level of drafting is one call). Returns out.
+        The host tree learns the new nodes in settle(), which extend(), commit() and host-built passes need
+        first; the tree cannot grow its slots here (tree_forward's `slots`).
+        """
+        if self.tree is None:
+            raise RuntimeError("no tree to extend: call tree_forward() first")
+        tree, cache = self.tree, self._cache
+        start = tree.n + self._unsettled
+        width = max(R, self.pass_width or self._min_rows)
+        if start + width > tree.capacity:
+            raise ValueError(f"{start + width} node slots needed, the tree holds {tree.capacity}: pass slots= to "
+                             "tree_forward()")
+        head_rows = list(range(R)) + [0] * ((width if self.pass_width is not None else self._min_rows) - R)
+        layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
+        header = HostTree.header(layout, start, cache.length, np.full((cache.batch, R), depth), head_rows=head_rows)
+        header = torch.from_numpy(header).to(self.device)
+        levels = self._level_positions([np.arange(width)]) if self._sequential else ()  # no new node is another's ancestor
+        try:
+            with _swapped({**self._linears, **self._tree_forwards}):
+                out, structure = self.run(header, layout, levels, None, (R, choose, args, then, self._structure))
+        finally:
+            cache.end_pass()
+            self._pass = None
+        # On CUDA graphs an output is overwritten by the graph's next replay, which this one feeds.
+        self._structure = structure.clone() if self.device.type == "cuda" else structure
+        self._unsettled += R
+        return out
+
+    def settle(self, parents):
+        """Tell the host tree the parents of the nodes extend_on_device() added since tree_forward() or the last
+        settle(): parents (batch, n), in the order the nodes were added (the caller has them on the host; nothing
+        is copied here)."""
+        parents = np.asarray(parents, dtype=np.int64).reshape(self._cache.batch, -1)
+        if parents.shape[1] != self._unsettled:
+            raise ValueError(f"{self._unsettled} nodes were added on the device, got parents for {parents.shape[1]}")
+        self.tree.add(parents)
+        self._unsettled = 0
+
+    def _check_settled(self):
+        if self._unsettled:
+            raise RuntimeError("nodes added by extend_on_device() are not settled: call settle() first")
+
+    def _level_positions(self, levels):
+        """The pass's positions grouped by level (HostTree.levels' list) on the device, in one copy. A compiled pass has as
         many levels as the deepest before it (the walk is unrolled in its graph; extra levels repeat position 0),
         and with fixed shapes each level is padded to the widest it has been by repeating its own positions:
         recomputing a node whose parent is final is idempotent."""
-        levels = self.tree.levels(start, width)
         if self._compiled or self.pass_width is not None:
             widths = self._level_widths
             widths += [1] * (len(levels) - len(widths))
@@ -375,12 +430,28 @@ class TreeModel:
         flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
         return flat.split([len(level) for level in levels])
 
-    def _run(self, flat, layout, levels, pending):
+    def _run(self, flat, layout, levels, pending, grown=None):
         """The device part of a pass (no host sync, shapes fixed by the slots and pass width) over HostTree.pass_inputs'
         (flat, layout) and the levels of _level_positions, after the pending commit's (the arguments of _commit, or
-        None). Returns logits (batch, K = the pass's head rows, vocab)."""
+        None). Returns logits (batch, K = the pass's head rows, vocab).
+
+        grown (extend_on_device): (R, choose, args, then, structure), and `flat` is only HostTree.header()'s part; the
+        pass's tensor is HostTree.extended()'s. Returns (then's output, the extended structure)."""
         if pending is not None:
             self._commit(*pending)
+        if grown is None:
+            return self._forward(flat, layout, levels)
+        R, choose, args, then, structure = grown
+        tokens, parents, carry = choose(*args)
+        if tokens.shape != (layout.batch, R) or parents.shape != tokens.shape:
+            raise ValueError(f"choose() gave tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)}; "
+                             f"expected both (batch={layout.batch}, R={R})")
+        flat = HostTree.extended(flat, tokens, parents, structure, layout)
+        logits = self._forward(flat, layout, levels)[:, :R]
+        return (logits if then is None else then(logits, carry)), flat[flat.numel() - structure.numel():]
+
+    def _forward(self, flat, layout, levels):
+        """The model's forward over a pass's tensor: logits (batch, K, vocab)."""
         inputs = HostTree.unpack(flat, layout)
         cache, rows, tokens = self._cache, inputs["rows"], inputs["tokens"]
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
@@ -433,6 +504,7 @@ class TreeModel:
         """
         if self.tree is None:
             raise RuntimeError("no tree to commit: call tree_forward() first")
+        self._check_settled()
         tree, cache = self.tree, self._cache
         nodes = nodes.reshape(-1).tolist() if isinstance(nodes, torch.Tensor) else [int(n) for n in nodes]
         if len(nodes) != cache.batch or any(not -1 <= n < tree.n for n in nodes):
@@ -471,3 +543,4 @@ class TreeModel:
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
         self.tree = None
+        self._unsettled = 0
