@@ -107,7 +107,7 @@ def eos_ids(eos_token_id):
 @torch.no_grad()
 def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
              eos_token_id=None, tree=DEFAULT_TREE, return_stats=False, min_new_tokens=0, generator=None,
-             streamer=None, stopping_criteria=None, compile=False):
+             streamer=None, stopping_criteria=None, compile=False, draft_on_device=None):
     """Speculative tree decoding whose output is distributed exactly as the target's own decoding.
 
     Args:
@@ -137,6 +137,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             graphs on CUDA); a dict gives torch.compile's options (e.g. {"backend": "aot_eager"}). The first call
             per model and tree shape pays the compilation (tens of seconds on a CPU); later calls reuse it. Off by
             default: see the README for when it pays.
+        draft_on_device: grow greedy static and dynamic trees on the device, with one copy to the host per round
+            instead of one per draft pass (the same trees); None = on accelerators, not on a CPU
+            (stree.draft.grows_on_device says why).
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
@@ -227,7 +230,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             done = emit([token])
             continue
         with clock("draft_time"):
-            drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator, costs)
+            drafted = draft_tree(draft, trunk, spec, sampler, len(generated), generator, costs, draft_on_device)
         stats.draft_passes += drafted.passes
         stats.transfers += drafted.transfers
         offset = len(trunk) - 1  # the root's index in the draft's tree; the target's tree starts at the root

@@ -8,7 +8,10 @@ Three shapes, chosen by the `tree=` argument of generate():
 With sampling, a node's children are drawn from the draft's distribution one after another without replacement and
 the number of children of a node never depends on the children drawn, which keeps verification lossless.
 """
+import functools
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -330,6 +333,136 @@ class _Growth:
                            transfers=self.transfers, expected=expected)
 
 
+def _greedy_plan(spec):
+    """[(nodes expanded, children each)] per level of a greedy StaticTree / DynamicTree, root level first: a greedy
+    node always gets all its children, so the tree's shape is known before any of its tokens."""
+    if isinstance(spec, StaticTree):
+        return list(zip([1] + list(itertools.accumulate(spec.branching, operator.mul))[:-1], spec.branching))
+    plan, frontier = [], 1
+    for _ in range(spec.depth):
+        plan.append((min(spec.frontier, frontier), spec.top_k))
+        frontier = plan[-1][0] * spec.top_k
+    return plan
+
+
+def _greedy(growth, spec):
+    """A greedy StaticTree / DynamicTree grown on the device: the trunk pass, then per level one call
+    (TreeModel.extend_on_device) that chooses the nodes to expand among the last level's children (a DynamicTree's
+    `frontier` most probable paths, a StaticTree's all), feeds them and takes their top-k children, with no host
+    sync; the tree comes to the host in one copy at the end (adaptive trees: each level as it is drafted, to decide
+    whether another pays)."""
+    draft, plan, sampler, costs = growth.draft, _greedy_plan(spec), growth.sampler, _costs(growth, spec)
+    trunk, root = len(growth.tokens), growth.root
+    # first[level]: the draft's id of the first node expanded at that level (level 0: the root)
+    first = [root] + list(itertools.accumulate([e for e, _ in plan[1:]], initial=trunk))
+    growth.fed = {n: n for n in range(trunk)}
+    logits = draft.tree_forward([growth.tokens], [growth.parents], logits_for=[root], slots=first[-1])
+    growth.passes = 1
+    # new tokens before the root's children (min_new_tokens), a tensor that each level adds one to (an int would
+    # be a constant of a compiled level); 0 where the scores never read it
+    generated = growth.generated if sampler.min_new_tokens and sampler.eos_ids else 0
+    generated = torch.tensor(generated, device=logits.device) if generated else 0
+    replay = _Replay(growth, first)
+    joint = logits.new_zeros(1, dtype=torch.float64)
+    replay.levels.append(_top_children(sampler, plan[0][1], logits, (joint, None, generated)))
+    for level, (expand, k) in enumerate(plan[1:], 1):
+        if costs is not None:
+            replay.pull()
+            if not _level_pays(costs, spec, *replay.decision(spec)):
+                break
+        joint, _, log_q, tokens, generated = replay.levels[-1]
+        args = (joint, log_q, tokens, first[level - 1], expand, generated)
+        replay.levels.append(draft.extend_on_device(expand, root + level, _pick_children, args,
+                                                    functools.partial(_top_children, sampler, k)))
+        growth.passes += 1
+    replay.pull()
+    draft.settle([replay.settled])
+    if isinstance(spec, StaticTree):
+        return growth.result()
+    return _most_probable(growth, spec, replay.joint, costs)
+
+
+def _pick_children(joint, log_q, tokens, first, expand, generated):
+    """A greedy level's choose() (TreeModel.extend_on_device): of the last level's children, whose log path
+    probabilities are joint[:, None] + log_q and tokens `tokens` (E, k), the `expand` most probable (ties to the
+    earlier), in id order. Returns their tokens and draft parents (1, expand) (the last level's expanded nodes
+    have ids first .. first+E-1), and (their log path probabilities, their positions among the children,
+    generated) to carry."""
+    paths = (joint[:, None] + log_q).reshape(-1)
+    picked = paths.sort(descending=True, stable=True).indices[:expand].sort().values
+    return tokens.reshape(-1)[picked][None], (first + picked // log_q.shape[1])[None], (paths[picked], picked,
+                                                                                         generated)
+
+
+def _top_children(sampler, k, logits, carry):
+    """A greedy level's then(): the top-k children of each new node, logits (1, E, vocab). Returns (log path
+    probabilities (E,), positions among the last level's children (E,) or None, log q (E, k), tokens (E, k),
+    generated for the next level)."""
+    joint, picked, generated = carry
+    log_q, tokens = sampler.scores(logits[0], generated).log_softmax(-1).topk(k, dim=-1)
+    return joint, picked, log_q, tokens, generated + 1
+
+
+class _Replay:
+    """The host's copy of a tree _greedy grows on the device: its levels (_top_children's tuples) come over in one
+    transfer per pull() and are added to the growth: each level's children in the order of their parents' ids,
+    then by rank."""
+
+    def __init__(self, growth, first):
+        self.growth, self.first = growth, first
+        self.levels, self.done = [], 0   # device levels; how many are on the host
+        self.joint = {growth.root: 0.0}  # node -> log path probability below the root
+        self.children, self.log_q = [growth.root], None  # the last level's children and their log q (expand, k)
+        self.settled = []                # draft slots of the parents of the nodes fed on the device, in feeding order
+
+    def pull(self):
+        """Copy the levels not on the host yet (one transfer) and add them to the growth."""
+        new = self.levels[self.done:]
+        if not new:
+            return
+        parts = [t.double().reshape(-1) for _, picked, log_q, tokens, _ in new for t in (picked, tokens, log_q)
+                 if t is not None]
+        values, at = torch.cat(parts).tolist(), 0
+        self.growth.transfers += 1
+        growth = self.growth
+        for level, (_, picked, _, tokens, _) in enumerate(new, self.done):
+            expanded = self.children
+            if picked is not None:
+                expanded = [self.children[int(i)] for i in values[at:at + picked.numel()]]
+                at += picked.numel()
+                for j, node in enumerate(expanded):
+                    growth.fed[node] = self.first[level] + j
+                    self.settled.append(growth.fed[growth.parents[node]])
+            E, k = tokens.shape
+            ids, lq = values[at:at + E * k], values[at + E * k:at + 2 * E * k]
+            at += 2 * E * k
+            self.children, self.log_q = [], [lq[e * k:(e + 1) * k] for e in range(E)]
+            for e, node in enumerate(expanded):
+                for r in range(k):
+                    child = growth.add(node, int(ids[e * k + r]))
+                    self.joint[child] = self.joint[node] + lq[e * k + r]
+                    self.children.append(child)
+        self.done = len(self.levels)
+
+    def decision(self, spec):
+        """_level_pays' arguments after the host has every level: (joint, root, the nodes the next level would
+        expand, the mean probability of each child rank at the last level, passes so far)."""
+        expand = sorted(self.children, key=lambda n: -self.joint[n])[:spec.frontier]
+        ratios = [sum(math.exp(row[r]) for row in self.log_q) / len(self.log_q) for r in range(len(self.log_q[0]))]
+        return self.joint, self.growth.root, expand, ratios, self.growth.passes
+
+
+def _most_probable(growth, spec, joint, costs):
+    """A greedy DynamicTree's kept nodes: the `budget` most probable (adaptive: as many as pay); a path's probability
+    never exceeds its prefix's, so ancestors rank first (ties broken towards earlier, i.e. shallower or
+    earlier-drawn, nodes)."""
+    ranked = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
+    if costs is not None:
+        ranked = ranked[:costs.best_rate([math.exp(joint[n]) for n in ranked], growth.passes)[1]]
+    keep = set(range(growth.root + 1)) | set(ranked) | _ancestors(growth.parents, ranked)
+    return growth.result(sorted(keep), joint)
+
+
 def _static(growth, spec):
     frontier = [growth.root]
     for width in spec.branching:
@@ -341,7 +474,7 @@ def _static(growth, spec):
 def _dynamic(growth, spec):
     joint = {growth.root: 0.0}  # log estimate that a node is accepted: its draft path probability (see RoundCosts)
     frontier, ratios = [growth.root], None
-    costs = growth.costs if spec.adaptive and growth.costs is not None and growth.costs.known else None
+    costs = _costs(growth, spec)
     sampled_estimates = costs is not None and not growth.sampler.greedy  # see RoundCosts
     for _ in range(spec.depth):
         expand = sorted(frontier, key=lambda n: -joint[n])[:spec.frontier]
@@ -364,13 +497,13 @@ def _dynamic(growth, spec):
                 ratios[rank] += math.exp(estimate) / len(expand)  # mean estimate of the rank-th child
     if not growth.sampler.greedy:
         return growth.result(joint=joint)
-    # Greedy: keep the `budget` most probable nodes (adaptive: as many as pay); a path's probability never exceeds
-    # its prefix's, so ancestors rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes).
-    ranked = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
-    if costs is not None:
-        ranked = ranked[:costs.best_rate([math.exp(joint[n]) for n in ranked], growth.passes)[1]]
-    keep = set(range(growth.root + 1)) | set(ranked) | _ancestors(growth.parents, ranked)
-    return growth.result(sorted(keep), joint)
+    return _most_probable(growth, spec, joint, costs)
+
+
+def _costs(growth, spec):
+    """The RoundCosts an adaptive DynamicTree decides with (None: a fixed tree, or no costs measured yet)."""
+    adaptive = getattr(spec, "adaptive", False) and growth.costs is not None and growth.costs.known
+    return growth.costs if adaptive else None
 
 
 def _level_pays(costs, spec, joint, root, expand, ratios, passes):
@@ -410,14 +543,29 @@ def _ancestors(parents, nodes):
     return found
 
 
-_GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}
+_GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}  # level by level on the host
 
 
-def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None):
+def grows_on_device(device):
+    """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes)
+    rather than level by level on the host: on accelerators, where a copy to the host waits for every queued
+    launch; not on a CPU, where nothing is queued and the bookkeeping costs a little more as tensor ops than in
+    numpy and Python (the bundled pair, fp32 eager, one run of benchmarks/generate.py --both-drafting: drafting
+    +15% a round for a chain, +2% for DynamicTree(16), equal for the adaptive default)."""
+    return torch.device(device).type != "cpu"
+
+
+def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):
     """Draft a tree below trunk[-1] (the speculation's root) with a prefilled stree.models.TreeModel.
 
     trunk: tokens not yet in the draft's cache, fed as a chain, the root last. generated: new tokens emitted
     before the token that follows the root (for min_new_tokens). The draft's last pass is left uncommitted, so
     draft.commit() may take any node whose pass_index is not -1. costs: a RoundCosts for adaptive trees.
+    on_device: grow a greedy StaticTree / DynamicTree on the device (the same tree); None = grows_on_device.
     """
-    return _GROW[type(spec)](_Growth(draft, trunk, sampler, generated, generator, costs), spec)
+    growth = _Growth(draft, trunk, sampler, generated, generator, costs)
+    if on_device is None:
+        on_device = grows_on_device(draft.device)
+    if on_device and sampler.greedy and not isinstance(spec, BeamTree):
+        return _greedy(growth, spec)
+    return _GROW[type(spec)](growth, spec)

@@ -70,16 +70,17 @@ def drafted_paths(drafted, trunk_length):
     (StaticTree((2, 2, 1)), reference_static),
 ])
 @pytest.mark.parametrize("family, seed, trunk", [("mamba2", 0, [5]), ("bamba", 1, [7, 2]), ("mamba2", 2, [3, 9])])
-def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, trunk):
-    """Greedy drafting keeps exactly the paths the reference procedure chooses; a two-token trunk (an accepted node
-    the draft had not seen, then the root) is fed first."""
+@pytest.mark.parametrize("on_device", [False, True])
+def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, trunk, on_device):
+    """Greedy drafting keeps exactly the paths the reference procedure chooses, grown on the host or on the device;
+    a two-token trunk (an accepted node the draft had not seen, then the root) is fed first."""
     model = tiny_model(family, dtype=torch.float64, vocab_size=16, seed=seed)
     with torch.no_grad():  # spread the next-token distributions so that choices are not near-ties
         model.get_output_embeddings().weight.mul_(20.0)
     prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(seed))
     draft = TreeModel(model)
     draft.prefill(prompt)
-    drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0)
+    drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0, on_device=on_device)
     assert drafted.tokens[:len(trunk)] == trunk
     want = reference(model, prompt[0].tolist() + trunk, spec)
     assert drafted_paths(drafted, len(trunk)) == want
@@ -87,7 +88,8 @@ def test_greedy_drafts_equal_the_naive_reference(spec, reference, family, seed, 
 
 @pytest.mark.parametrize("spec", [DynamicTree(budget=9, depth=4, top_k=3, frontier=2), BeamTree(beams=3, steps=3),
                                   StaticTree((2, 2, 1))])
-def test_draft_passes_carry_only_the_nodes_they_expand(spec):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
     """The first pass carries the trunk; each later one only the nodes whose children it drafts (not every child
     of the last level). Every node with a child in the tree was in a pass (so an accepted path misses at most its
     last node), within tree_shapes' slots and pass width."""
@@ -99,13 +101,16 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec):
         run = getattr(draft, name)
         setattr(draft, name, lambda tokens, parents, run=run, **kw: (sizes.append(len(tokens[0])),
                                                                       run(tokens, parents, **kw))[1])
+    on_device = draft.extend_on_device  # greedy trees grow their levels on the device, beams on the host
+    draft.extend_on_device = lambda R, *args: (sizes.append(R), on_device(R, *args))[1]
     trunk = [4, 5]
-    drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0)
+    drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0, on_device=on_device)
     _, slots, width = tree_shapes(spec)
     expanding = {"DynamicTree": getattr(spec, "frontier", 0), "BeamTree": getattr(spec, "beams", 0),
                  "StaticTree": 4}[type(spec).__name__]
     assert sizes[0] == len(trunk) and all(size <= min(expanding, width) for size in sizes[1:])
     assert len(sizes) == drafted.passes
+    assert drafted.transfers == (1 if on_device and not isinstance(spec, BeamTree) else drafted.passes)
     fed = [i for i in drafted.pass_index if i >= 0]
     assert len(set(fed)) == len(fed) and set(fed) <= set(range(sum(sizes))) and sum(sizes) <= slots  # pruning may drop some
     has_child = {p for p in drafted.parents if p >= 0}
@@ -235,7 +240,8 @@ def test_round_costs_interpolate_a_measured_pass_curve():
     (1e-6, 0.0, 5, 9),      # draft passes are free and target rows too: draft the full depth, keep the budget
     (1e-6, 10.0, 5, 0),     # every target node costs ten passes: keep (almost) none
 ])
-def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_most, nodes_at_least):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_most, nodes_at_least, on_device):
     """The adaptive tree drafts fewer levels when draft passes are dear and keeps fewer nodes when target rows are
     dear; its kept nodes are always the most probable (a subset of the fixed-depth reference)."""
     from stree.draft import RoundCosts
@@ -247,7 +253,7 @@ def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_mos
     costs = RoundCosts(draft=draft_cost, verify=1.0, verify_node=verify_node, other=0.0)
     draft = TreeModel(model)
     draft.prefill(prompt)
-    drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs)
+    drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=on_device)
     kept = drafted_paths(drafted, 1)
     assert drafted.passes <= depth_at_most and len(kept) >= min(nodes_at_least, 9)
     if verify_node >= 10:

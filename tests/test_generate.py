@@ -106,6 +106,51 @@ def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     assert max(trunks) == 4  # ... up to 4 - 2 in a row, the draft's next pass taking them all
 
 
+@pytest.mark.parametrize("family, tree", [
+    ("bamba", stree.DynamicTree()), ("bamba", (3, 2, 2, 1)), ("mamba2", (1, 1, 1, 1)),
+    ("qwen3_next", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2)),
+    ("jamba", stree.DynamicTree(adaptive=True)), ("lfm2", stree.DynamicTree(budget=9, depth=4))])
+def test_trees_grown_on_the_device_equal_hf_greedy(family, tree):
+    """Greedy trees chosen level by level on the device (the default on accelerators, here on the CPU) give HF's
+    greedy output, with one copy to the host per round for drafting (adaptive trees: one per level drafted)
+    besides verification's."""
+    target = without_eos(tiny_model(family, dtype=torch.float64))
+    draft = noisy_copy(target, scale=0.01, seed=1)
+    for prompt in prompts([1, 9]):
+        got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=60, tree=tree,
+                                    return_stats=True, draft_on_device=True)
+        assert torch.equal(got, hf_greedy(target, prompt, 60))
+        speculative = sum(size > 1 for size in stats.tree_sizes)
+        drafting = stats.transfers - 1 - stats.rounds  # the prefill's pick, one verification per round
+        assert drafting == speculative if not getattr(tree, "adaptive", False) else \
+            speculative <= drafting <= stats.draft_passes
+
+
+@pytest.mark.parametrize("family, compile", [("bamba", False), ("mamba2", {"backend": "aot_eager"})])
+def test_device_grown_trees_ban_eos_before_min_new_tokens(family, compile):
+    """The same with EOS banned for the first min_new_tokens tokens (the ban depends on each level's depth), and
+    with compiled passes (aot_eager: dynamo traces each level's choice and top-k with its pass): a second prompt
+    compiles nothing new (no graph per level or per count of new tokens)."""
+    import torch._dynamo
+    target = tiny_model(family, dtype=torch.float64, seed=2)
+    draft = noisy_copy(target, 0.01, 1)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    first_prompt, second_prompt = prompts([5, 7], seed=4)
+    reference = hf_greedy(without_eos(copy.deepcopy(target)), first_prompt, 30)[0, 5:].tolist()
+    eos = [reference[3], reference[9]]  # met early: min_new_tokens pushes the stop later
+    target.generation_config.eos_token_id = eos  # (the EOS ids are constants of a compiled pass)
+    for n, prompt in enumerate((first_prompt, second_prompt)):
+        got = stree.generate(target, prompt, draft_model=draft, max_new_tokens=30, tree=stree.DynamicTree(),
+                             min_new_tokens=12, compile=compile, draft_on_device=True)
+        want = hf_greedy(target, prompt, 30, min_new_tokens=12, eos_token_id=eos)
+        assert torch.equal(got, want) and got.shape[1] - prompt.shape[1] >= 12
+        if not compile:
+            break
+        first = graphs["unique_graphs"] if n == 0 else first
+    assert not compile or graphs["unique_graphs"] == first
+
+
 @pytest.mark.parametrize("draft_family", ["mamba2", "llama", "qwen2"])
 def test_other_draft_families(draft_family):
     """The draft may be any supported causal LM with the same vocabulary: SSM, hybrid or Transformer."""
