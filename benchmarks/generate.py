@@ -12,6 +12,7 @@ Table on stdout, JSON and a PNG in benchmarks/results/.
     python benchmarks/generate.py                                      # bundled pair, float32
     python benchmarks/generate.py --dtypes float32 bfloat16 --large    # both regimes, both dtypes
     python benchmarks/generate.py --compile                            # torch.compile'd passes (warm-up reported)
+    python benchmarks/generate.py --both-drafting                      # greedy trees drafted on host and device
     python benchmarks/generate.py --target PATH --draft PATH           # any local HF checkpoints
     python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
 """
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 from stree import BeamTree, DynamicTree, StaticTree, random_parents  # noqa: E402
 from stree.benchmark import compare, format_rows  # noqa: E402
 from stree.demo import demo_pair, held_out_prompts  # noqa: E402
+from stree.draft import grows_on_device  # noqa: E402
 from stree.models import TreeModel, inflate_bamba, tiny_model  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -194,6 +196,9 @@ def main(argv=None):
     parser.add_argument("--large", action="store_true", help="also the demo target inflated to 0.9B parameters")
     parser.add_argument("--large-new-tokens", type=int, default=24)
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
+    parser.add_argument("--both-drafting", action="store_true",
+                        help="also draft each greedy static/dynamic tree the other way (on the device on a CPU, on "
+                        "the host on a GPU; stree.generate's draft_on_device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generate-<target>-<device>.json)")
@@ -230,6 +235,10 @@ def main(argv=None):
                            for _ in range(args.prompts)]
             for temperature in args.temperatures:
                 trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
+                if args.both_drafting and temperature == 0:
+                    other = not grows_on_device(device)
+                    trees.update({f"{n}, {'device' if other else 'host'} drafting": (spec, dict(draft_on_device=other))
+                                  for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
                 rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,

@@ -3,7 +3,7 @@ command that measures everything the first few minutes a GPU is lent.
 
     python benchmarks/gpu.py --compile-only          # any machine: every Triton kernel launch compiled for sm_80
                                                      # and sm_90; registers, spills, shared memory, fits or not
-    python benchmarks/gpu.py --out DIR               # a CUDA machine: the three steps below, < 8 min on one H200
+    python benchmarks/gpu.py --out DIR               # a CUDA machine: the three steps below, < 10 min on one H200
     python benchmarks/gpu.py --out DIR --dry-run     # the same steps on CPU at tiny sizes, Triton interpreted
 
 Each step runs as a subprocess under its own time budget (BUDGETS, GENERATE_RUNS) and writes its JSON into DIR as
@@ -49,6 +49,10 @@ GENERATE_RUNS = {
                      (110, 150)),
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--compile"], None, (80, 0)),
+    # greedy trees drafted on the device (the default on a GPU: one copy to the host a round) and on the host
+    "bundled-pair-drafting": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
+                               "--temperatures", "0", "--trees", "chain-4", "dynamic-16", "--both-drafting",
+                               "--compile", "--prompts", "2", "--repeats", "2"], None, (70, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
                              None, (30, 0)),  # the dry run's bundled-pair run already times the tree overhead
     "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],

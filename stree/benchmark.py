@@ -34,8 +34,8 @@ def identical_prefix(a, b, start):
 
 
 def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0):
-    """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec}),
-    `repeats` times. Returns one row per method:
+    """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec,
+    or (spec, more keyword arguments of stree.generate)}), `repeats` times. Returns one row per method:
 
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
         tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
@@ -53,6 +53,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
 
     def run(name):
         spec, outs = methods[name], []
+        spec, more = spec if isinstance(spec, tuple) else (spec, {})
         torch.manual_seed(seed)
         _sync(device)
         start = time.perf_counter()
@@ -60,7 +61,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             if spec is None:
                 outs.append((hf_generate(target, prompt, max_new_tokens, temperature), None))
             else:
-                kwargs = dict(tree=spec) if spec != "ar" else {}
+                kwargs = dict(tree=spec, **more) if spec != "ar" else {}
                 outs.append(generate(target, prompt, draft_model=None if spec == "ar" else draft,
                                      max_new_tokens=max_new_tokens, temperature=temperature,
                                      return_stats=True, compile=compile, **kwargs))
@@ -107,16 +108,17 @@ def _mean_breakdown(stats):
 
 def format_rows(rows):
     """A fixed-width table of compare()'s rows."""
-    lines = [f"{'method':>28} {'tok/s':>8} {'vs HF (min-max)':>17} {'vs stree AR':>17} {'tau':>5} {'drafts':>6} "
-             f"{'draft/verify/commit/other ms':>29} {'agree':>8}"]
+    lines = [f"{'method':>38} {'tok/s':>8} {'vs HF (min-max)':>17} {'vs stree AR':>17} {'tau':>5} {'drafts':>6} "
+             f"{'draft/verify/commit/other ms':>29} {'copies':>6} {'agree':>8}"]
     for r in rows:
         b = r["breakdown"]
         parts = "/".join(f"{b[k]:.1f}" for k in ("draft_ms", "verify_ms", "commit_ms", "other_ms")) if b else "-"
+        copies = f"{b['transfers']:.2f}" if b else "-"  # device-to-host copies per round
         agree = r.get("agreement")
         agree = "-" if agree is None else f"{agree['mean_identical_prefix']:.0f}/{agree['of']}"
-        lines.append(f"{r['method']:>28} {r['tokens_per_s']:>8.1f} "
+        lines.append(f"{r['method']:>38} {r['tokens_per_s']:>8.1f} "
                      f"{_span(r['speedup_vs_hf']):>17} {_span(r['speedup_vs_ar']):>17} {r['tau']:>5.2f} "
-                     f"{r['draft_passes']:>6.2f} {parts:>29} {agree:>8}")
+                     f"{r['draft_passes']:>6.2f} {parts:>29} {copies:>6} {agree:>8}")
     return "\n".join(lines)
 
 
