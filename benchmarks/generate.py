@@ -237,7 +237,7 @@ def main(argv=None):
                 trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
                 if args.both_drafting and temperature == 0:
                     other = not grows_on_device(device)
-                    trees.update({f"{n}, {'device' if other else 'host'} drafting": (spec, dict(draft_on_device=other))
+                    trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
                                   for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")

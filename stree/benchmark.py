@@ -35,7 +35,8 @@ def identical_prefix(a, b, start):
 
 def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0):
     """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec,
-    or (spec, more keyword arguments of stree.generate)}), `repeats` times. Returns one row per method:
+    or a dict of stree.generate's keyword arguments with the spec as `tree`}), `repeats` times. Returns one row
+    per method:
 
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
         tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
@@ -53,7 +54,8 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
 
     def run(name):
         spec, outs = methods[name], []
-        spec, more = spec if isinstance(spec, tuple) else (spec, {})
+        more = dict(spec) if isinstance(spec, dict) else {}
+        spec = more.pop("tree", spec)
         torch.manual_seed(seed)
         _sync(device)
         start = time.perf_counter()

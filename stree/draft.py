@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .models.host_tree import to_device
 from .sampling import draw_without_replacement
 from .tree import static_parents
 
@@ -358,10 +359,9 @@ def _greedy(growth, spec):
     growth.fed = {n: n for n in range(trunk)}
     logits = draft.tree_forward([growth.tokens], [growth.parents], logits_for=[root], slots=first[-1])
     growth.passes = 1
-    # new tokens before the root's children (min_new_tokens), a tensor that each level adds one to (an int would
-    # be a constant of a compiled level); 0 where the scores never read it
-    generated = growth.generated if sampler.min_new_tokens and sampler.eos_ids else 0
-    generated = torch.tensor(generated, device=logits.device) if generated else 0
+    # new tokens before the root's children where the scores read them (min_new_tokens), as a tensor that each
+    # level adds one to (an int would be a constant of a compiled level); else a constant 0
+    generated = to_device(growth.generated, logits.device) if sampler.min_new_tokens and sampler.eos_ids else 0
     replay = _Replay(growth, first)
     joint = logits.new_zeros(1, dtype=torch.float64)
     replay.levels.append(_top_children(sampler, plan[0][1], logits, (joint, None, generated)))
@@ -371,7 +371,7 @@ def _greedy(growth, spec):
             if not _level_pays(costs, spec, *replay.decision(spec)):
                 break
         joint, _, log_q, tokens, generated = replay.levels[-1]
-        args = (joint, log_q, tokens, first[level - 1], expand, generated)
+        args = (joint, log_q, tokens, expand, generated)
         replay.levels.append(draft.extend_on_device(expand, root + level, _pick_children, args,
                                                     functools.partial(_top_children, sampler, k)))
         growth.passes += 1
@@ -382,16 +382,18 @@ def _greedy(growth, spec):
     return _most_probable(growth, spec, replay.joint, costs)
 
 
-def _pick_children(joint, log_q, tokens, first, expand, generated):
-    """A greedy level's choose() (TreeModel.extend_on_device): of the last level's children, whose log path
-    probabilities are joint[:, None] + log_q and tokens `tokens` (E, k), the `expand` most probable (ties to the
-    earlier), in id order. Returns their tokens and draft parents (1, expand) (the last level's expanded nodes
-    have ids first .. first+E-1), and (their log path probabilities, their positions among the children,
-    generated) to carry."""
+def _pick_children(ids, joint, log_q, tokens, expand, generated):
+    """A greedy level's choose() (TreeModel.extend_on_device; ids (expand,): the draft ids the picked nodes get):
+    of the last level's children, whose log path probabilities are joint[:, None] + log_q and tokens `tokens`
+    (E, k), the `expand` most probable (ties to the earlier), in id order. Returns their tokens and draft parents
+    (1, expand), and (their log path probabilities, their positions among the children, generated) to carry.
+    The last level's E expanded nodes are the E ids just before these (the root, for the first level): their
+    first id comes from the device, not as an int, which a compiled level would hold as a constant."""
+    E, k = log_q.shape
     paths = (joint[:, None] + log_q).reshape(-1)
     picked = paths.sort(descending=True, stable=True).indices[:expand].sort().values
-    return tokens.reshape(-1)[picked][None], (first + picked // log_q.shape[1])[None], (paths[picked], picked,
-                                                                                         generated)
+    parents = ids[0] - E + picked // k
+    return tokens.reshape(-1)[picked][None], parents[None], (paths[picked], picked, generated)
 
 
 def _top_children(sampler, k, logits, carry):
@@ -400,7 +402,7 @@ def _top_children(sampler, k, logits, carry):
     generated for the next level)."""
     joint, picked, generated = carry
     log_q, tokens = sampler.scores(logits[0], generated).log_softmax(-1).topk(k, dim=-1)
-    return joint, picked, log_q, tokens, generated + 1
+    return joint, picked, log_q, tokens, generated + 1 if torch.is_tensor(generated) else generated
 
 
 class _Replay:

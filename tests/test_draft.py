@@ -101,8 +101,8 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
         run = getattr(draft, name)
         setattr(draft, name, lambda tokens, parents, run=run, **kw: (sizes.append(len(tokens[0])),
                                                                       run(tokens, parents, **kw))[1])
-    on_device = draft.extend_on_device  # greedy trees grow their levels on the device, beams on the host
-    draft.extend_on_device = lambda R, *args: (sizes.append(R), on_device(R, *args))[1]
+    level = draft.extend_on_device  # greedy trees grown on the device feed their levels here, beams on the host
+    draft.extend_on_device = lambda R, *args: (sizes.append(R), level(R, *args))[1]
     trunk = [4, 5]
     drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0, on_device=on_device)
     _, slots, width = tree_shapes(spec)
@@ -115,6 +115,34 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
     assert len(set(fed)) == len(fed) and set(fed) <= set(range(sum(sizes))) and sum(sizes) <= slots  # pruning may drop some
     has_child = {p for p in drafted.parents if p >= 0}
     assert all(drafted.pass_index[n] >= 0 for n in has_child | set(range(len(trunk))))
+
+
+def test_device_grown_trees_on_padded_compiled_passes():
+    """With fixed pass widths (as on CUDA: every pass padded to pass_width nodes) a device-grown tree fits the
+    slots it asked for, equals the naive reference, and compiled levels are shared by every trunk length (no graph
+    per round shape: a level's parents come from the ids on the device, not from an int)."""
+    import torch._dynamo
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(0))
+    spec = DynamicTree(budget=9, depth=4, top_k=3, frontier=2)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    small = TreeModel(model, nodes=4, pass_width=4)  # 4 slots: the tree asks for more (padding included)
+    _, slots, width = tree_shapes(spec)  # what generate sizes a draft with
+    compiled = TreeModel(model, nodes=slots, pass_width=width).compile(backend="eager")
+    context, counts = prompt[0].tolist(), []
+    for draft in (small, compiled):
+        draft.prefill(prompt)
+    for trunk in ([5], [6], [7, 8], [9], [10, 11]):
+        for draft in (small, compiled):
+            drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0, on_device=True)
+            assert drafted_paths(drafted, len(trunk)) == reference_dynamic(model, context + trunk, spec)
+            draft.commit([len(trunk) - 1])  # keep the trunk
+        context += trunk
+        counts.append(graphs["unique_graphs"])
+    assert counts[1] == counts[-1]  # after the first commit nothing compiles again
 
 
 @pytest.mark.parametrize("coverage", [1.0, 0.8, 0.5])

@@ -156,10 +156,11 @@ def test_levels_grown_on_the_device_equal_sequential_decoding(family, batch):
     for depth, size in enumerate((3, 1, 4, 2), 2):
         level_parents = [[last[int(i)] for i in torch.randint(0, len(last), (size,), generator=g)] for _ in grown]
         level_tokens = torch.randint(0, 64, (batch, size), generator=g).tolist()
-        chosen = (torch.tensor(level_tokens), torch.tensor(level_parents), "carried")
-        carry, logits = tm.extend_on_device(size, depth, lambda: chosen, then=lambda logits, carry: (carry, logits))
-        assert carry == "carried" and logits.shape == (batch, size, 64)
+        chosen, ids = (torch.tensor(level_tokens), torch.tensor(level_parents), "carried"), []
+        carry, logits = tm.extend_on_device(size, depth, lambda new_ids: (ids.append(new_ids.tolist()), chosen)[1],
+                                            then=lambda logits, carry: (carry, logits))
         new = list(range(len(tokens[0]), len(tokens[0]) + size))
+        assert carry == "carried" and logits.shape == (batch, size, 64) and ids == [new]
         for b in range(batch):
             tokens[b], parents[b] = tokens[b] + level_tokens[b], parents[b] + level_parents[b]
             grown[b] += level_parents[b]

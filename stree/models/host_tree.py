@@ -46,6 +46,17 @@ def _size(fields):
     return sum(math.prod(shape) for _, shape in fields)
 
 
+def to_device(array, device):
+    """A numpy array or CPU tensor on `device`. On CUDA the copy goes through pinned memory without blocking: a
+    copy from ordinary memory waits for every launch queued before it, which would empty the GPU's queue at each
+    pass (the caching host allocator keeps the pinned buffer until the copy is done)."""
+    tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.as_tensor(array)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _split(flat, fields):
     """{name: view} of consecutive fields [(name, shape)] of a flat numpy array or tensor."""
     out, offset = {}, 0
@@ -181,7 +192,7 @@ class HostTree:
         layout = PassLayout(self.batch, width, len(head_rows), len(extra), self.capacity, self.window_keys)
         header = self.header(layout, start, length, self._depth[:, start:start + real], tokens, head_rows, extra)
         # a fresh array (so what the device sees never changes with the tree), one transfer
-        return torch.from_numpy(np.concatenate([header, self._packed])).to(device), layout
+        return to_device(np.concatenate([header, self._packed]), device), layout
 
     @staticmethod
     def header(layout, start, length, depth, tokens=None, head_rows=(), extra=()):

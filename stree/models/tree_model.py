@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from ..triton_kernels import TreeIndex
 from .cache import StateCache
 from .gated_delta import GatedDeltaLayers
-from .host_tree import HostTree, PassLayout
+from .host_tree import HostTree, PassLayout, to_device
 from .kimi_delta import KimiDeltaLayers
 from .mamba1 import Mamba1Layers
 from .mamba2 import Mamba2Layers
@@ -285,14 +285,16 @@ class TreeModel:
         the committed sequence. Node i's logits are those the model gives after the sequence + path(i).
         logits_for: optional (K,) node ids; then only their logits are computed (LM head on K rows):
         (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() or
-        extend_on_device() may grow the tree first. slots: node slots the tree is to hold at least (a tree grown on
-        the device cannot grow its buffers).
+        extend_on_device() may grow the tree first. slots: the most nodes the tree will hold (its buffers are sized
+        for them and for padded passes up to them: a tree grown on the device cannot grow its buffers).
         """
         if self._cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
         if self.tree is not None:
             raise RuntimeError("the previous tree is not committed: call commit() or discard() first")
-        self.tree = HostTree(self._cache.batch, self.window_keys, capacity=max(self.nodes, slots or 0))
+        padding = max(self.pass_width or 1, self._min_rows) - 1  # a pass is at least that wide
+        self.tree = HostTree(self._cache.batch, self.window_keys,
+                             capacity=max(self.nodes, slots + padding if slots else 0))
         self._unsettled = 0
         try:
             return self._grow(tokens, parents, logits_for)
@@ -369,9 +371,10 @@ class TreeModel:
     def extend_on_device(self, R, depth, choose, args=(), then=None):
         """Grow the uncommitted tree by one level of R new nodes chosen on the device, without a host sync.
 
-        choose(*args) -> (tokens, parents, carry): the new nodes' tokens and parents, (batch, R) int64 tensors on the
-        model's device; parents are ids of nodes already in the tree, none of them new (the new nodes get the next
-        R ids, as in extend()). Every new node is `depth` below the committed sequence (position length + depth).
+        choose(ids, *args) -> (tokens, parents, carry): ids (R,) the new nodes' ids on the device (the next R ids, as
+        in extend()); the new nodes' tokens and parents, (batch, R) int64 tensors on the model's device, parents
+        ids of nodes already in the tree. Every new node is `depth` below the committed sequence (position
+        length + depth).
         then(logits, carry) -> out, logits (batch, R, vocab) of the new nodes; without it out = logits.
         Both run inside the pass's call (compiled with it: a level of drafting is one call). Returns out.
         The host tree learns the new nodes in settle(), which extend(), commit() and host-built passes need
@@ -388,7 +391,7 @@ class TreeModel:
         head_rows = list(range(R)) + [0] * ((width if self.pass_width is not None else self._min_rows) - R)
         layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
         header = HostTree.header(layout, start, cache.length, np.full((cache.batch, R), depth), head_rows=head_rows)
-        header = torch.from_numpy(header).to(self.device)
+        header = to_device(header, self.device)
         levels = self._level_positions([np.arange(width)]) if self._sequential else ()  # no new node is another's ancestor
         try:
             with _swapped({**self._linears, **self._tree_forwards}):
@@ -427,7 +430,7 @@ class TreeModel:
             if self.pass_width is not None:
                 widths[:] = sizes = [max(w, n) for w, n in zip(widths, sizes)]
             levels = [np.resize(levels[s] if s < len(levels) else levels[0][:1], n) for s, n in enumerate(sizes)]
-        flat = torch.from_numpy(np.concatenate(levels)).to(self.device)
+        flat = to_device(np.concatenate(levels), self.device)
         return flat.split([len(level) for level in levels])
 
     def _run(self, flat, layout, levels, pending, grown=None):
@@ -442,7 +445,7 @@ class TreeModel:
         if grown is None:
             return self._forward(flat, layout, levels)
         R, choose, args, then, structure = grown
-        tokens, parents, carry = choose(*args)
+        tokens, parents, carry = choose(flat[:R], *args)  # the header's first field: the new nodes' ids
         if tokens.shape != (layout.batch, R) or parents.shape != tokens.shape:
             raise ValueError(f"choose() gave tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)}; "
                              f"expected both (batch={layout.batch}, R={R})")
