@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 from transformers import DynamicCache
 
 from ..triton_kernels import TreeIndex
@@ -331,7 +332,9 @@ class TreeModel:
                 raise ValueError(f"logits_for must hold positions in [0, {R}), got {logits_for}")
         start, end = tree.add(parents)  # raises ValueError unless topological
         try:
-            width = max(R, self.pass_width or self._min_rows)
+            head_rows = list(range(R)) if logits_for is None else logits_for
+            K = len(head_rows)
+            width, head_rows = self._shape(R, head_rows)
             if start + width > tree.capacity:
                 tree.reserve(max(start + width, 2 * tree.capacity))
             self.nodes = tree.capacity  # later trees start with as many slots
@@ -343,29 +346,37 @@ class TreeModel:
             cache.reserve(cache.length + tree.capacity)
             if getattr(self, "_static_buffers", False):
                 self._mark_static()
-            head_rows = list(range(R)) if logits_for is None else logits_for
-            K = len(head_rows)
-            rows = width if self.pass_width is not None else self._min_rows  # fixed shapes: always `width` rows
-            if K < rows:
-                head_rows = head_rows + [0] * (rows - K)
             flat, layout = tree.pass_inputs(start, width, cache.length, device, tokens, head_rows)
             levels = self._level_positions(tree.levels(start, width)) if self._sequential else ()
             pending, self._pending = self._pending, None
             try:
-                with _swapped({**self._linears, **self._tree_forwards}):
-                    logits = self.run(flat, layout, levels, pending)
+                logits = self._call(flat, layout, levels, pending)
             except BaseException:
                 if pending is not None:  # whether the commit was applied is unknown: the state is lost
                     self._cache = self.tree = None
                 raise
-            finally:
-                cache.end_pass()
-                self._pass = None
         except BaseException:  # the buffers' new slots are simply reused by the next pass
             tree.truncate(start)
             raise
         self._structure = flat[flat.numel() - tree.structure_size:]
         return logits[:, :K]
+
+    def _shape(self, R, head_rows):
+        """(width, head rows) of a pass over R new nodes whose LM head runs on `head_rows` (a list): at least
+        pass_width (fixed shapes) or _min_rows nodes, and with fixed shapes always `width` head rows, else at least
+        _min_rows (padding rows repeat row 0)."""
+        width = max(R, self.pass_width or self._min_rows)
+        rows = width if self.pass_width is not None else self._min_rows
+        return width, head_rows + [0] * (rows - len(head_rows))
+
+    def _call(self, *args):
+        """self.run(*args) with the tree mixers and packed linears swapped in; the pass's state cleared after."""
+        try:
+            with _swapped({**self._linears, **self._tree_forwards}):
+                return self.run(*args)
+        finally:
+            self._cache.end_pass()
+            self._pass = None
 
     @torch.no_grad()
     def extend_on_device(self, R, depth, choose, args=(), then=None):
@@ -384,23 +395,20 @@ class TreeModel:
             raise RuntimeError("no tree to extend: call tree_forward() first")
         tree, cache = self.tree, self._cache
         start = tree.n + self._unsettled
-        width = max(R, self.pass_width or self._min_rows)
+        width, head_rows = self._shape(R, list(range(R)))
         if start + width > tree.capacity:
             raise ValueError(f"{start + width} node slots needed, the tree holds {tree.capacity}: pass slots= to "
                              "tree_forward()")
-        head_rows = list(range(R)) + [0] * ((width if self.pass_width is not None else self._min_rows) - R)
         layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
         header = HostTree.header(layout, start, cache.length, np.full((cache.batch, R), depth), head_rows=head_rows)
         header = to_device(header, self.device)
         levels = self._level_positions([np.arange(width)]) if self._sequential else ()  # no new node is another's ancestor
-        try:
-            with _swapped({**self._linears, **self._tree_forwards}):
-                out, structure = self.run(header, layout, levels, None, (R, choose, args, then, self._structure))
-        finally:
-            cache.end_pass()
-            self._pass = None
-        # On CUDA graphs an output is overwritten by the graph's next replay, which this one feeds.
-        self._structure = structure.clone() if self.device.type == "cuda" else structure
+        out, structure = self._call(header, layout, levels, None, (R, choose, args, then, self._structure))
+        if getattr(self, "_static_buffers", False):
+            # CUDA graphs: a graph's outputs are overwritten by its next replay, which the next level is (the
+            # caller keeps every level's outputs until it copies them over)
+            out, structure = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (out, structure))
+        self._structure = structure
         self._unsettled += R
         return out
 
