@@ -129,3 +129,21 @@ def test_packed_operator_falls_back_to_the_layers_weight_once_unpacked(forced):
     packed.drop_packed_linears(model)
     assert key not in packed._PACKED
     torch.testing.assert_close(torch.ops.stree.packed_linear(x, layer.bias, key, 40), want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_count_takes_the_product_measured_at_the_nearest_row_count(monkeypatch):
+    """A plan that packs only for MEASURED_ROWS[1] rows; the packed copy holds twice the weight, so each output
+    shows which product ran."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 24)
+    uses = tuple(i == 1 for i in range(len(packed.MEASURED_ROWS)))
+    doubled = torch.ops.mkldnn._reorder_linear_weight(2 * layer.weight.detach(), packed.PACK_ROWS)
+    monkeypatch.setattr(packed, "_plan", lambda weight, bias: (doubled, uses))
+    model = torch.nn.Sequential(layer)
+    forward = packed.packed_linears(model, _weights_version(model))[layer]
+    assert [packed._band(r) for r in (1, 2, 3, 4, 7, 8, 9, 16, 17, 64)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 2]
+    for rows in (1, 2, 3, 4, 8, 9, 16, 17):
+        x = torch.randn(rows, 32)
+        plain = F.linear(x, layer.weight, layer.bias)
+        expected = plain + x @ layer.weight.t() if packed._band(rows) == 1 else plain
+        torch.testing.assert_close(forward(x), expected, rtol=1e-5, atol=1e-5)

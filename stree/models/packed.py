@@ -6,7 +6,8 @@ product of 17 rows by a (8192, 2048) weight costs 4x its one-row product, and a 
 weight at 10 GB/s. The same weight reordered once into oneDNN's blocked layout (torch.ops.mkldnn, the layout
 inductor uses when it freezes a model) takes 17 rows in about 1.3x the time of one, and one row in half the time.
 Which is faster depends on the CPU, the shape and the number of rows, so it is measured once per weight shape and
-dtype, at one row and at PACK_ROWS rows, and each call takes the faster for its row count.
+dtype, at each of MEASURED_ROWS rows, and each call takes the faster for the measured row count nearest its own
+(on an AVX2 EPYC, a (4096, 128) packed weight costs 2x the plain product at 3 rows, though within 1.3x at 16).
 
 A compiled pass (torch.compile) calls the packed product through the operator `stree::packed_linear`, which takes a
 key instead of the weight: the packed weight stays out of the graph (inductor cannot hold a oneDNN-layout tensor
@@ -19,6 +20,7 @@ Set STREE_PACK_LINEARS=0 to turn them off (it is read when a model's set is made
 its weights change, or after drop_packed_linears(model), which frees them).
 """
 import itertools
+import math
 import os
 import time
 import weakref
@@ -26,7 +28,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-PACK_ROWS = 16       # the "many rows" a packed weight is measured at (a tree pass's size)
+PACK_ROWS = 16       # the rows a weight is packed for (a tree pass's size)
+MEASURED_ROWS = (1, 4, 16)  # a decode step, a draft level, a tree pass
 PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.9       # a packed product is used only where it measured at most this fraction of the plain one
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the available memory
@@ -94,25 +97,30 @@ def _seconds(f, x, repeats=3):
     return best
 
 
+def _band(rows):
+    """The index in MEASURED_ROWS of the row count nearest `rows` (geometrically; ties to the larger)."""
+    return min(range(len(MEASURED_ROWS)), key=lambda i: (abs(math.log(rows / MEASURED_ROWS[i])), -i))
+
+
 def _plan(weight, bias):
-    """(weight packed, use it for one row, use it for more rows), or None where packing is slower or fails."""
+    """(weight packed, (use it at MEASURED_ROWS[i] rows, for each i)), or None where packing is slower or fails."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
         def on_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         uses = []
-        for rows in (1, PACK_ROWS):
+        for rows in MEASURED_ROWS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             uses.append(_seconds(on_packed, x) <= MIN_GAIN * _seconds(lambda v: F.linear(v, weight, bias), x))
     except (RuntimeError, AttributeError):  # no oneDNN, or none for this dtype
         return None
-    return (packed, *uses) if any(uses) else None
+    return (packed, tuple(uses)) if any(uses) else None
 
 
-def _forward(module, packed, single, multi):
-    """module's forward on the packed weight where it measured faster for the input's row count (compiled: through
-    the stree::packed_linear operator)."""
+def _forward(module, packed, uses):
+    """module's forward on the packed weight where it measured faster at the row count nearest the input's
+    (compiled: through the stree::packed_linear operator)."""
     weight, bias = module.weight, module.bias
     key = _KEYS.get(module)
     if key is None:
@@ -122,7 +130,7 @@ def _forward(module, packed, single, multi):
 
     def forward(x):
         rows = x.numel() // x.shape[-1]
-        if rows and (multi if rows > 1 else single) and x.dtype == weight.dtype:
+        if rows and uses[_band(rows)] and x.dtype == weight.dtype:
             if torch.compiler.is_compiling():
                 return torch.ops.stree.packed_linear(x, bias, key, weight.shape[0])
             return torch.ops.mkldnn._linear_pointwise(x, holder.weight, bias, "none", [], "")
