@@ -96,24 +96,30 @@ def test_packing_is_skipped_where_it_measures_slower(monkeypatch):
 
 def test_compiled_passes_call_the_packed_operator_and_equal_sequential_decoding(forced):
     """A compiled TreeModel traces its packed layers as stree::packed_linear calls (the packed weight stays out of
-    the graph) and its passes still equal HF's sequential decode of each path."""
+    the graph), one graph per compilation (the choice by row count is made when the operator runs, not traced:
+    with a dynamic node count it would break the graph), and its passes still equal HF's sequential decode of each
+    path."""
     from test_tree_model import assert_node_logits_match_sequential, random_tree
-    targets = []
+    targets, graphs = [], []
 
     def backend(graph, example_inputs):
+        graphs.append(graph)
         targets.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
         return graph.forward
     model = tiny_model("bamba", dtype=torch.float32, seed=5)
     prompt = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(6))
     tm = TreeModel(model, nodes=8).compile(backend=backend)
     tm.prefill(prompt)
-    tokens, parents = random_tree(7, seed=7)
-    logits = tm.tree_forward([tokens], [parents])[0]
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     op = torch.ops.stree.packed_linear
-    assert sum(t in (op, op.default) for t in targets) == linears
+    for size, compilations in ((7, 1), (5, 2), (3, 2), (8, 2)):  # the second compiles with a dynamic node count
+        tokens, parents = random_tree(size, seed=size)
+        logits = tm.tree_forward([tokens], [parents])[0]
+        assert len(graphs) == compilations
+        assert sum(t in (op, op.default) for t in targets) == linears * compilations
+        assert_node_logits_match_sequential(logits, model, prompt, tokens, parents, 1e-4)
+        tm.discard()
     assert not any(t in (F.linear, torch._C._nn.linear) for t in targets)
-    assert_node_logits_match_sequential(logits, model, prompt, tokens, parents, 1e-4)
 
 
 def test_packed_operator_falls_back_to_the_layers_weight_once_unpacked(forced):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 PACK_ROWS = 16       # the rows a weight is packed for (a tree pass's size)
 MEASURED_ROWS = (1, 4, 16)  # a decode step, a draft level, a tree pass
+_BOUNDS = [math.sqrt(a * b) for a, b in zip(MEASURED_ROWS, MEASURED_ROWS[1:])]  # geometric midpoints
 PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.9       # a packed product is used only where it measured at most this fraction of the plain one
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the available memory
@@ -45,18 +46,26 @@ _LIB.define("packed_linear(Tensor x, Tensor? bias, int key, int out_features) ->
 
 
 class _Packed:
-    """A packed weight, held by its model's set (packed_linears); _PACKED sees it only while that set lives."""
-    __slots__ = ("weight", "__weakref__")
+    """A packed weight and where to use it (_plan's uses), held by its model's set (packed_linears); _PACKED sees it
+    only while that set lives."""
+    __slots__ = ("weight", "uses", "__weakref__")
 
-    def __init__(self, weight):
-        self.weight = weight
+    def __init__(self, weight, uses):
+        self.weight, self.uses = weight, uses
+
+
+def _product(x, packed, weight, bias):
+    """x @ weight.T + bias on the packed copy where it measured faster at the row count nearest x's, else F.linear.
+    (Decided when it runs, also in a compiled pass, whose graph calls it through stree::packed_linear: a row count
+    compared in the graph would be a guard, and a band crossed a recompilation.)"""
+    rows = x.numel() // x.shape[-1]
+    if packed is None or not rows or not packed.uses[_band(rows)]:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none", [], "")
 
 
 def _packed_linear(x, bias, key, out_features):
-    packed = _PACKED.get(key)
-    if packed is None:  # packing was dropped after the graph was traced
-        return F.linear(x, _LAYERS[key].weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.weight, bias, "none", [], "")
+    return _product(x, _PACKED.get(key), _LAYERS[key].weight, bias)  # None: packing was dropped after tracing
 
 
 def _packed_linear_shape(x, bias, key, out_features):
@@ -99,7 +108,7 @@ def _seconds(f, x, repeats=3):
 
 def _band(rows):
     """The index in MEASURED_ROWS of the row count nearest `rows` (geometrically; ties to the larger)."""
-    return min(range(len(MEASURED_ROWS)), key=lambda i: (abs(math.log(rows / MEASURED_ROWS[i])), -i))
+    return sum(rows >= bound for bound in _BOUNDS)
 
 
 def _plan(weight, bias):
@@ -126,15 +135,14 @@ def _forward(module, packed, uses):
     if key is None:
         key = _KEYS[module] = next(_next_key)
     _LAYERS[key] = module
-    holder = _PACKED[key] = _Packed(packed)
+    holder = _PACKED[key] = _Packed(packed, uses)
 
     def forward(x):
-        rows = x.numel() // x.shape[-1]
-        if rows and uses[_band(rows)] and x.dtype == weight.dtype:
-            if torch.compiler.is_compiling():
-                return torch.ops.stree.packed_linear(x, bias, key, weight.shape[0])
-            return torch.ops.mkldnn._linear_pointwise(x, holder.weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+        if x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.stree.packed_linear(x, bias, key, weight.shape[0])
+        return _product(x, holder, weight, bias)
     return forward
 
 
