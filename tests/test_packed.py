@@ -97,8 +97,8 @@ def test_packing_is_skipped_where_it_measures_slower(monkeypatch):
 def test_compiled_passes_call_the_packed_operator_and_equal_sequential_decoding(forced):
     """A compiled TreeModel traces its packed layers as stree::packed_linear calls (the packed weight stays out of
     the graph), one graph per compilation (the choice by row count is made when the operator runs, not traced:
-    with a dynamic node count it would break the graph), and its passes still equal HF's sequential decode of each
-    path."""
+    traced, it would guard on the row count and recompile for each new one), and its passes still equal HF's
+    sequential decode of each path."""
     from test_tree_model import assert_node_logits_match_sequential, random_tree
     targets, graphs = [], []
 

@@ -7,7 +7,7 @@ weight at 10 GB/s. The same weight reordered once into oneDNN's blocked layout (
 inductor uses when it freezes a model) takes 17 rows in about 1.3x the time of one, and one row in half the time.
 Which is faster depends on the CPU, the shape and the number of rows, so it is measured once per weight shape and
 dtype, at each of MEASURED_ROWS rows, and each call takes the faster for the measured row count nearest its own
-(on an AVX2 EPYC, a (4096, 128) packed weight costs 2x the plain product at 3 rows, though within 1.3x at 16).
+(on an AVX2 EPYC, a (1096, 256) packed weight took 0.87x the plain product's time at 4 rows but 0.93x at 16).
 
 A compiled pass (torch.compile) calls the packed product through the operator `stree::packed_linear`, which takes a
 key instead of the weight: the packed weight stays out of the graph (inductor cannot hold a oneDNN-layout tensor
