@@ -552,7 +552,7 @@ def grows_on_device(device):
     """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes)
     rather than level by level on the host: on accelerators, where a copy to the host waits for every queued
     launch; not on a CPU, where nothing is queued and the bookkeeping costs a little more as tensor ops than in
-    numpy and Python (the bundled pair, fp32, benchmarks/generate.py --both-drafting: eager, drafting +8-13% a
+    numpy and Python (the bundled pair, fp32, benchmarks/generate.py --both-drafting: eager, drafting +13-18% a
     round; compiled, the same within noise)."""
     return torch.device(device).type != "cpu"
 
