@@ -212,8 +212,8 @@ def test_levels_group_nodes_by_depth():
     assert path.sizes == [1, 1, 1] and path.order.tolist() == [0, 1, 3] and path.rows.tolist() == [0, 0, 0]
 
 
-def _valid():
-    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+def _valid(device="cpu"):
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0, device=device)
     return dict(inputs, **extras)
 
 
@@ -246,14 +246,14 @@ def test_tree_gated_delta_states_rejects_bad_nodes(nodes, message):
         tree_gated_delta_states(**args, nodes=nodes)
 
 
-def test_triton_rejects_float64():
-    args = _valid()
+def test_triton_rejects_float64(device):  # on the test device: a CPU tensor would be refused first on a GPU
+    args = _valid(device)
     args["q"] = args["q"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_gated_delta_rule(**args, backend="triton")
 
 
-def test_triton_rejects_a_large_key_dim():
-    inputs, extras = make_inputs([[-1, 0]], dk=513)
+def test_triton_rejects_a_large_key_dim(device):
+    inputs, extras = make_inputs([[-1, 0]], dk=513, device=device)
     with pytest.raises(ValueError, match="Dk <= 512"):
         tree_gated_delta_rule(**inputs, **extras, backend="triton")

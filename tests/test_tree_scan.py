@@ -170,8 +170,8 @@ def test_tree_states_without_initial_state_returns_fp32(device):
     assert states.dtype == torch.float32 and bool((states == 0).all())
 
 
-def _valid():
-    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+def _valid(device="cpu"):
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0, device=device)
     return dict(inputs, **extras)
 
 
@@ -208,8 +208,8 @@ def test_tree_states_rejects_bad_nodes(nodes, message):
         tree_states(**args, nodes=nodes)
 
 
-def test_triton_rejects_float64():
-    args = _valid()
+def test_triton_rejects_float64(device):  # on the test device: a CPU tensor would be refused first on a GPU
+    args = _valid(device)
     args["x"] = args["x"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_scan(**args, backend="triton")

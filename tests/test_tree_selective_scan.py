@@ -193,8 +193,8 @@ def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
     torch.testing.assert_close(tree_selective_scan(**dict(inputs, x=permuted), **extras, backend=backend), want)
 
 
-def _valid():
-    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+def _valid(device="cpu"):
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0, device=device)
     return dict(inputs, **extras)
 
 
@@ -228,14 +228,14 @@ def test_tree_selective_states_rejects_bad_nodes(nodes, message):
         tree_selective_states(**args, nodes=nodes)
 
 
-def test_triton_rejects_float64():
-    args = _valid()
+def test_triton_rejects_float64(device):  # on the test device: a CPU tensor would be refused first on a GPU
+    args = _valid(device)
     args["x"] = args["x"].double()
     with pytest.raises(ValueError, match="float64"):
         tree_selective_scan(**args, backend="triton")
 
 
-def test_triton_rejects_a_large_dstate():
-    inputs, extras = make_inputs([[-1, 0]], dstate=257)
+def test_triton_rejects_a_large_dstate(device):
+    inputs, extras = make_inputs([[-1, 0]], dstate=257, device=device)
     with pytest.raises(ValueError, match="dstate <= 256"):
         tree_selective_scan(**inputs, **extras, backend="triton")
