@@ -258,6 +258,50 @@ def test_compile_arguments_give_cuda_graphs_beside_the_guard_filter():
         _compile_options({"backend": "eager", "mode": "reduce-overhead"}, cuda=False)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tensor_a_pass_writes_in_place_is_marked_static(family):
+    """CUDA graphs replay a compiled pass only if each tensor it writes in place and that outlives it keeps its
+    address and is marked so for torch.compile; inductor skips the graphs otherwise ("mutated inputs", seen on an
+    H200 for the views a Mamba2 adapter keeps). Checked on eager passes (a tree pass whose commit runs in it, an
+    extension, a level grown on the device): the tensors written in place that no op of the pass made are all
+    marked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made, self.written = set(), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for arg, value in zip(func._schema.arguments, [*args, *kwargs.values()]):
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    self.written.append(value)
+            out = func(*args, **kwargs)
+            inputs = {id(a) for a in [*args, *kwargs.values()]}  # an in-place op returns what it wrote
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and id(t) not in inputs:
+                    self.made.add(id(t))
+            return out
+
+    model = tiny_model(family)
+    tokens, parents = random_tree(6, seed=3)
+    tm = TreeModel(model)
+    tm._static_buffers = True  # what compile() sets on CUDA
+    tm.prefill(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2)))
+    tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
+    tm.commit([0])
+    level = (torch.tensor([tokens[:2]]), torch.tensor([[0, 0]]), None)  # two children of node 0 (depth 1)
+    with Writes() as writes:
+        tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]), slots=8)
+        tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))
+        tm.extend_on_device(2, 2, lambda ids: level)
+    kept = [t for t in writes.written if id(t) not in writes.made]
+    assert kept, "no kept buffer was written: the check saw nothing"
+    unmarked = [tuple(t.shape) for t in kept if getattr(t, "_dynamo_static_input_type", None) is None]
+    assert not unmarked, f"written in place without a static address: {unmarked}"
+
+
 def test_a_failed_pass_leaves_the_tree_as_it_was(monkeypatch):
     """A forward that fails after the attention layer appended K/V (bamba: mamba, attention, mamba) is rolled back:
     extending again gives the one-pass logits and the commit still equals sequential decoding."""
@@ -435,3 +479,4 @@ def test_batch_rows_are_independent_trees(family):
         want, _ = decode_sequentially(model, prompts[b:b + 1], [tokens[k] for k in path_to(parents, nodes[b])]
                                       + [3 + b])
         torch.testing.assert_close(more[b, 0].double(), want.double(), rtol=1e-6, atol=1e-6)
+

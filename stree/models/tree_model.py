@@ -79,6 +79,17 @@ def _weights_version(model):
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
+def _tensors_in(value):
+    """Every tensor in `value`, looking into dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
 @contextlib.contextmanager
 def _swapped(forwards):
     """Modules' forwards replaced by the given ones ({module: forward}) for the duration of the block. (Written to
@@ -507,7 +518,9 @@ class TreeModel:
         cache = self._cache
         tensors = [*cache.keys.values(), *cache.values.values()]
         tensors += [t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None]
-        tensors += [t for a in adapters for t in vars(a).values() if isinstance(t, torch.Tensor)]
+        tensors += _tensors_in(cache.conv) + _tensors_in(cache.recurrent)
+        # and the adapters' buffers with the views they keep (a view is a graph input of its own)
+        tensors += [t for a in adapters for t in _tensors_in(vars(a))]
         for t in tensors:
             torch._dynamo.mark_static_address(t)
 
