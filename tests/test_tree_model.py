@@ -480,3 +480,14 @@ def test_batch_rows_are_independent_trees(family):
                                       + [3 + b])
         torch.testing.assert_close(more[b, 0].double(), want.double(), rtol=1e-6, atol=1e-6)
 
+
+
+def test_an_older_transformers_is_refused_with_the_version_needed():
+    """Before transformers 5.24 a model ignored a cache passed as cache= (a confusing failure later): importing the
+    model code under an older version raises ImportError naming the version needed. (A subprocess: the check runs
+    at import.)"""
+    import subprocess
+    import sys
+    code = "import transformers; transformers.__version__ = '5.17.0'; import stree.models"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0 and "stree needs transformers>=5.24, found 5.17.0" in result.stderr
