@@ -209,7 +209,14 @@ def main(argv=None):
         f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}")
     print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
     result = dict(device=device.type, device_name=name, threads=torch.get_num_threads(), target=args.target,
-                  compile=args.compile, overhead=[], tables=[])
+                  compile=args.compile, complete=False, overhead=[], tables=[])
+    stem = f"generate-{args.target.replace('/', '_')}-{device.type}{'-compiled' if args.compile else ''}"
+    out = args.out or os.path.join(RESULTS, stem + ".json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def save():  # after every measurement: a run stopped midway keeps what it measured ("complete": false)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         target = load(args.target, dtype, device)
@@ -222,6 +229,7 @@ def main(argv=None):
             overhead = tree_overhead(model, device, compile=args.compile)
             print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
             result["overhead"].append(dict(target=label, params=params, dtype=dtype_name, **overhead))
+            save()
             if args.overhead_only:
                 continue
             draft = load(args.draft, dtype, device)
@@ -246,11 +254,9 @@ def main(argv=None):
                 print(format_rows(rows))
                 result["tables"].append(dict(target=label, params=params, dtype=dtype_name, temperature=temperature,
                                              new_tokens=new_tokens, prompts=args.prompts, rows=rows))
-    os.makedirs(RESULTS, exist_ok=True)
-    stem = f"generate-{args.target.replace('/', '_')}-{device.type}{'-compiled' if args.compile else ''}"
-    out = args.out or os.path.join(RESULTS, stem + ".json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+                save()
+    result["complete"] = True
+    save()
     print(f"\nwrote {out}")
     if result["tables"]:
         plot(result["tables"], os.path.splitext(out)[0] + ".png")
