@@ -104,11 +104,28 @@ def median_ms(fn, device, reps):
     return 1e3 * times[len(times) // 2]
 
 
+def op_counts(fn, device):
+    """What one call of fn launches: aten ops called from outside other aten ops ("ops"), and on CUDA the kernels
+    that ran on the GPU ("kernels", Triton's included). Both regimes' cost: per-op overhead and launches."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    ops = sum(e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+              for e in events)
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) if device.type == "cuda" else None
+    return dict(ops=ops, kernels=kernels)
+
+
 def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20, compile=False):
     """Median time of one target tree pass of each size in `sizes` over one HF single-token decode step and over
     stree's own one-node pass, on the same prefix (random trees with at most 4 children per node). Returns
-    {"decode_step_ms", "stree_step_ms", "trees": [{"nodes", "ms", "ratio", "ratio_to_stree_step"}]}: the curve
-    that decides how large a tree pays off on this device."""
+    {"decode_step_ms", "stree_step_ms", "decode_step_ops", "decode_step_kernels", "trees": [{"nodes", "ms", "ratio",
+    "ratio_to_stree_step", "ops", "kernels"}]} (op_counts of one call each): the curve that decides how large a tree
+    pays off on this device, and the launches that explain it."""
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -124,6 +141,7 @@ def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20
 
     hf_step()
     step_ms = median_ms(hf_step, device, reps)
+    step_counts = op_counts(hf_step, device)
     rows, stree_step_ms = [], None
     for T in sizes:
         g = torch.Generator().manual_seed(T)
@@ -142,17 +160,23 @@ def tree_overhead(model, device, sizes=(1, 4, 8, 16, 32), prompt_len=64, reps=20
         ms = median_ms(tree_pass, device, reps)
         stree_step_ms = ms if T == 1 else stree_step_ms
         rows.append(dict(nodes=T, ms=ms, ratio=ms / step_ms,
-                         ratio_to_stree_step=ms / stree_step_ms if stree_step_ms else None))
-    return dict(decode_step_ms=step_ms, stree_step_ms=stree_step_ms, compiled=compile, trees=rows)
+                         ratio_to_stree_step=ms / stree_step_ms if stree_step_ms else None,
+                         **op_counts(tree_pass, device)))
+    return dict(decode_step_ms=step_ms, stree_step_ms=stree_step_ms, compiled=compile, trees=rows,
+                decode_step_ops=step_counts["ops"], decode_step_kernels=step_counts["kernels"])
 
 
 def print_overhead(label, overhead):
     print(f"\n{label}: HF single-token decode step {overhead['decode_step_ms']:.2f} ms, stree one-node pass "
           f"{overhead['stree_step_ms']:.2f} ms{' (compiled)' if overhead['compiled'] else ''}. A tree pass "
           "(STree: 2.04x a step at 16 nodes on a 2.7B model, GPU):")
-    print(f"{'nodes':>6} {'ms':>8} {'x HF step':>10} {'x stree 1-node':>15}")
+    kernels = overhead.get("decode_step_kernels") is not None
+    print(f"{'nodes':>6} {'ms':>8} {'x HF step':>10} {'x stree 1-node':>15} {'ops':>6}{' kernels' if kernels else ''}"
+          f"   (HF's step: {overhead.get('decode_step_ops')} ops"
+          f"{', %s kernels' % overhead['decode_step_kernels'] if kernels else ''})")
     for row in overhead["trees"]:
-        print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>10.2f} {row['ratio_to_stree_step']:>15.2f}")
+        print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>10.2f} {row['ratio_to_stree_step']:>15.2f} "
+              f"{row.get('ops', ''):>6}{' %7s' % row['kernels'] if kernels else ''}")
 
 
 def plot(tables, path):
