@@ -516,11 +516,9 @@ class TreeModel:
         in place); buffers are reallocated only when they grow, which recompiles anyway."""
         adapters = {id(a): a for a, _ in self._layers.values()}.values()
         cache = self._cache
-        tensors = [*cache.keys.values(), *cache.values.values()]
-        tensors += [t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None]
-        tensors += _tensors_in(cache.conv) + _tensors_in(cache.recurrent)
-        # and the adapters' buffers with the views they keep (a view is a graph input of its own)
-        tensors += [t for a in adapters for t in _tensors_in(vars(a))]
+        # every view as well as its base: a view is a graph input of its own
+        tensors = _tensors_in([cache.keys, cache.values, cache.conv, cache.recurrent, [vars(a) for a in adapters],
+                               [(g.conv, g.recurrent) for g in cache.groups]])
         for t in tensors:
             torch._dynamo.mark_static_address(t)
 
