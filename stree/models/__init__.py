@@ -5,7 +5,7 @@ from packaging.version import Version
 # From 5.24 on every model's forward takes its cache as `cache=`; before, Mamba models took cache_params= and hybrids
 # past_key_values=, and a cache passed as cache= was silently ignored.
 MIN_TRANSFORMERS = "5.24"
-if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:  # 5.24.0.dev0 passes
     raise ImportError(f"stree needs transformers>={MIN_TRANSFORMERS}, found {transformers.__version__}: "
                       f"pip install 'transformers>={MIN_TRANSFORMERS}'")
 
