@@ -116,7 +116,8 @@ def op_counts(fn, device):
     events = prof.events()
     ops = sum(e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
               for e in events)
-    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events) if device.type == "cuda" else None
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+                  for e in events) if device.type == "cuda" else None
     return dict(ops=ops, kernels=kernels)
 
 
@@ -225,8 +226,13 @@ def main(argv=None):
                         "the host on a GPU; stree.generate's draft_on_device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
+    parser.add_argument("--overhead-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="tree sizes of the cost curve, 1 first (the others are also given per one-node "
+                             "pass); compiled, each size compiles its own passes")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generate-<target>-<device>.json)")
     args = parser.parse_args(argv)
+    if args.overhead_sizes[0] != 1:
+        parser.error("--overhead-sizes must start with 1 (the one-node pass the others are compared with)")
     device = torch.device(args.device)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
@@ -250,7 +256,7 @@ def main(argv=None):
                             args.large_new_tokens))
         for label, model, new_tokens in targets:
             params = sum(p.numel() for p in model.parameters())
-            overhead = tree_overhead(model, device, compile=args.compile)
+            overhead = tree_overhead(model, device, sizes=args.overhead_sizes, compile=args.compile)
             print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
             result["overhead"].append(dict(target=label, params=params, dtype=dtype_name, **overhead))
             save()

@@ -51,11 +51,13 @@ GENERATE_RUNS = {
     # one tree: on the first H200 run (2026-12-04) compiling four methods' passes took over 270 s
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--trees", "dynamic-16", "--compile", "--prompts", "1",
-                               "--repeats", "1", "--max-new-tokens", "64"], None, (160, 0)),
+                               "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1", "16"], None,
+                              (160, 0)),
     # greedy trees drafted on the device (the default on a GPU: one copy to the host a round) and on the host, eager
     "bundled-pair-drafting": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--trees", "dynamic-16", "--both-drafting", "--prompts", "2",
-                               "--repeats", "2", "--max-new-tokens", "64"], None, (60, 0)),
+                               "--repeats", "2", "--max-new-tokens", "64", "--overhead-sizes", "1", "16"], None,
+                              (60, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
                              None, (35, 0)),  # the dry run's bundled-pair run already times the tree overhead
     "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
