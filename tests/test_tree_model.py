@@ -287,11 +287,12 @@ def test_every_tensor_a_pass_writes_in_place_is_marked_static(family):
 
     model = tiny_model(family)
     tokens, parents = random_tree(6, seed=3)
-    tm = TreeModel(model)
+    tm = TreeModel(model, nodes=4)
     tm._static_buffers = True  # what compile() sets on CUDA
     tm.prefill(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2)))
-    tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
-    tm.commit([0])
+    for slots in (4, 8):  # the second tree grows the buffers to 8 slots: the new ones must be marked too
+        tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]), slots=slots)
+        tm.commit([0])
     level = (torch.tensor([tokens[:2]]), torch.tensor([[0, 0]]), None)  # two children of node 0 (depth 1)
     with Writes() as writes:
         tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]), slots=8)

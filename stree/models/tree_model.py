@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from transformers import DynamicCache
 
 from ..triton_kernels import TreeIndex
@@ -77,17 +77,6 @@ def _weights_version(model):
     """Where every parameter lives and how often it was modified in place (an optimizer step, load_state_dict):
     the adapters are rebuilt when this changes. (Writes through `.data` are not counted.)"""
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
-
-
-def _tensors_in(value):
-    """Every tensor in `value`, looking into dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    return []
 
 
 @contextlib.contextmanager
@@ -199,6 +188,7 @@ class TreeModel:
         self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
+        self._marked = None    # the capacities at which _mark_static last marked the buffers
         self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
 
     @property
@@ -256,7 +246,7 @@ class TreeModel:
             pass  # same shapes and weights: the existing buffers (and anything compiled against them) are kept
         else:
             self._cache, self._weights = cache, weights
-            self._layers = {}
+            self._layers, self._marked = {}, None
             for group in cache.groups:
                 kinds = {self.kinds.get(i) for i in group.layers}
                 if len(kinds) != 1 or None in kinds:
@@ -513,14 +503,19 @@ class TreeModel:
 
     def _mark_static(self):
         """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
-        in place); buffers are reallocated only when they grow, which recompiles anyway."""
+        in place); buffers are reallocated only when they grow, which recompiles anyway. Runs before every pass, but
+        walks the buffers only when a capacity changed since it last did (prefill() forgets that on new buffers)."""
         adapters = {id(a): a for a, _ in self._layers.values()}.values()
         cache = self._cache
+        capacities = (cache.capacity, tuple(a.capacity for a in adapters))
+        if capacities == self._marked:
+            return
         # every view as well as its base: a view is a graph input of its own
-        tensors = _tensors_in([cache.keys, cache.values, cache.conv, cache.recurrent, [vars(a) for a in adapters],
-                               [(g.conv, g.recurrent) for g in cache.groups]])
-        for t in tensors:
-            torch._dynamo.mark_static_address(t)
+        for t in tree_leaves([cache.keys, cache.values, cache.conv, cache.recurrent, [vars(a) for a in adapters],
+                              [(g.conv, g.recurrent) for g in cache.groups]]):
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static_address(t)
+        self._marked = capacities
 
     def _tree_forward_of(self, layer_idx):
         def forward(hidden_states, *args, **kwargs):
