@@ -171,13 +171,13 @@ def print_overhead(label, overhead):
     print(f"\n{label}: HF single-token decode step {overhead['decode_step_ms']:.2f} ms, stree one-node pass "
           f"{overhead['stree_step_ms']:.2f} ms{' (compiled)' if overhead['compiled'] else ''}. A tree pass "
           "(STree: 2.04x a step at 16 nodes on a 2.7B model, GPU):")
-    kernels = overhead.get("decode_step_kernels") is not None
+    kernels = overhead["decode_step_kernels"] is not None
     print(f"{'nodes':>6} {'ms':>8} {'x HF step':>10} {'x stree 1-node':>15} {'ops':>6}{' kernels' if kernels else ''}"
-          f"   (HF's step: {overhead.get('decode_step_ops')} ops"
+          f"   (HF's step: {overhead['decode_step_ops']} ops"
           f"{', %s kernels' % overhead['decode_step_kernels'] if kernels else ''})")
     for row in overhead["trees"]:
         print(f"{row['nodes']:>6} {row['ms']:>8.2f} {row['ratio']:>10.2f} {row['ratio_to_stree_step']:>15.2f} "
-              f"{row.get('ops', ''):>6}{' %7s' % row['kernels'] if kernels else ''}")
+              f"{row['ops']:>6}{' %7s' % row['kernels'] if kernels else ''}")
 
 
 def plot(tables, path):
