@@ -11,6 +11,7 @@ def compute_params(model):
 
 
 def test_demo_pair_is_a_hybrid_target_with_a_cheap_mamba2_draft():
+    assert stree.demo_pair is demo_pair  # the package attribute the README uses
     target, draft, tokenizer = demo_pair()
     assert target.config.model_type == "bamba" and target.config.attn_layer_indices
     assert draft.config.model_type == "mamba2"
@@ -30,3 +31,4 @@ def test_demo_pair_decodes_exactly_with_a_high_tau_on_held_out_code():
         assert torch.equal(got, want)
         passes += stats.tokens_per_pass
     assert sum(passes) / len(passes) >= 3.0  # the target; measured 4.2 with the default tree
+

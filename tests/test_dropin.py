@@ -44,6 +44,21 @@ def test_drop_in_greedy_equals_hf_and_falls_back_without_draft(pair):
     assert "generate" not in vars(target)
 
 
+def test_enable_compile_reaches_generate(pair, monkeypatch):
+    """enable(compile=...) is what stree.generate gets as compile= (whose compiled passes test_generate checks
+    against HF); a call's stree_compile= overrides it."""
+    target, draft = pair
+    seen = []
+    monkeypatch.setattr(stree.dropin, "generate", lambda *args, compile, **kwargs: seen.append(compile))
+    stree.enable(target, compile={"backend": "eager"})
+    target.generate(PROMPT, draft_model=draft, max_new_tokens=6)
+    target.generate(PROMPT, draft_model=draft, max_new_tokens=6, stree_compile=False)
+    stree.enable(target)
+    target.generate(PROMPT, draft_model=draft, max_new_tokens=6)
+    target.generate(PROMPT, draft_model=draft, max_new_tokens=6, stree_compile=True)
+    assert seen == [{"backend": "eager"}, False, False, True]
+
+
 def test_sampling_with_top_k_1_is_greedy(pair):
     target, draft = pair
     want = hf(target, do_sample=False, max_new_tokens=30)
