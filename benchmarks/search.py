@@ -30,7 +30,10 @@ for all live trajectories' branches of a problem). The "sync beam" and "spec bea
 (stree.search.beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or speculative); the
 "beam" row is the level-synchronous beam of the other strategies (k = sqrt(width)). Throughput is problems/s and
 decoded row-tokens/s (step tok: tokens the decoder drew and fed, after dedup; replayed leaves' tokens not included),
-verifier = requests scored per problem, passes = batched forward passes per problem. Memory: peak tree KiB is
+verifier = requests scored per problem, passes = batched forward passes per problem, critical (spec_beam rows) =
+the tokens on the longest chain of surviving steps, the fewest passes any schedule that selects the same survivors
+could take (one token per row per pass): synchronous passes / critical bounds what speculation can save in passes
+while keeping synchronous beam's survivors. Memory: peak tree KiB is
 TreeMemory's model (what a prefix-sharing tree keeps), peak held KiB what the row engine really kept (the padded
 batch, every row with its own copy of its prefix, plus every live snapshot).
 """
@@ -225,7 +228,9 @@ def summary(name, runs):
                 peak_tree_kib=mean("peak_tree_bytes") / 1024, peak_held_kib=mean("peak_held_bytes") / 1024,
                 step_tokens=tokens, replay_tokens=mean("replay_tokens"), seconds=elapsed / count,
                 problems_per_s=count / elapsed, tokens_per_s=tokens * count / elapsed,
-                verifier_calls=mean("verifier_calls"), forward_passes=mean("forwards"))
+                verifier_calls=mean("verifier_calls"), forward_passes=mean("forwards"),
+                # spec_beam: the fewest passes any schedule selecting the same survivors needs (its longest chain)
+                critical_path=mean("critical_path") if "critical_path" in runs[0][1] else None)
 
 
 def _figure():
@@ -340,12 +345,12 @@ def main():
         return
     rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
     print(f"{'strategy':>32} {'accuracy':>9} {'tree KiB':>9} {'held KiB':>9} {'step tok':>9} {'s/problem':>10} "
-          f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7}")
+          f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7} {'critical':>9}")
     for r in rows:
         print(f"{r['strategy']:>32} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['peak_held_kib']:>9.1f} "
               f"{r['step_tokens']:>9.1f} "
               f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
-              f"{r['forward_passes']:>7.1f}")
+              f"{r['forward_passes']:>7.1f} {'' if r['critical_path'] is None else format(r['critical_path'], '.1f'):>9}")
     out = args.out or os.path.join(HERE, "results", "search-cpu.json" if args.setting == "easy" else
                                    f"search-cpu-{args.setting}.json")
     write_results(out, args, ops, rows)

@@ -296,6 +296,9 @@ def test_speculative_beam_with_early_pruning_equals_a_plain_reference_beam_searc
                                                                        early_pruning=True, **switches), verifier)
         assert survivors == want, switches
         assert sorted(t.tokens for t in completed) == want_completed, switches
+        # the longest chain of surviving steps, in tokens: no schedule decodes it in fewer passes
+        critical = max(sum(map(len, steps)) for steps, _ in want)
+        assert run.stats["critical_path"] == critical <= run.stats["forwards"], switches
 
 
 @pytest.mark.parametrize("switches", [dict(), dict(speculative=True, early_pruning=True),

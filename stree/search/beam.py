@@ -118,8 +118,11 @@ class BeamRun:
             self._settle()
 
     def _finish(self):
+        # one token per row per forward pass, so no schedule that selects these survivors takes fewer passes than
+        # the tokens on their longest chain (a level's step starts only once its parent's has ended)
         self.stats.update(self.decoder.owner_stats(self.owner), verifier_calls=self.queue.calls,
-                          verifier_batches=self.queue.batches)
+                          verifier_batches=self.queue.batches,
+                          critical_path=max(len(t.tokens) for t in self.survivors))
 
     # decoding
 
@@ -298,6 +301,8 @@ def spec_beam_searches(policy, prompts, verifiers, config, seeds, answer_fn, emb
     SearchConfig(strategy="spec_beam"), switches in config.spec_beam (BeamOptions); problem i runs with seed
     seeds[i] and gets the result it gets alone (up to float rounding of batched rows). Returns one SearchResult per
     problem; stats: step_tokens (row-tokens decoded), forwards (batched forward passes it had rows in),
+    critical_path (the tokens on the longest chain of surviving steps: the fewest forward passes any schedule that
+    selects these survivors needs, speculative or not),
     verifier_calls (requests scored) and verifier_batches (verifier invocations), steps (deepest level), pruned
     (candidates pruned after verification), peak_tree_bytes (TreeMemory's model) and peak_held_bytes (the whole
     padded batch plus every snapshot alive, RowBatch.held_bytes). embedder is unused."""
