@@ -32,3 +32,27 @@ def test_demo_pair_decodes_exactly_with_a_high_tau_on_held_out_code():
         passes += stats.tokens_per_pass
     assert sum(passes) / len(passes) >= 3.0  # the issue's target; measured 4.2 with the default tree
 
+
+
+def test_draft_share_floor_is_the_drafts_own_step():
+    """benchmarks/draft_share.py's floor (a hand-written single-token step through the draft's modules) computes
+    what HF's forward computes, one row or several rows at once: otherwise its timing would bound nothing."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "draft_share.py")
+    spec = importlib.util.spec_from_file_location("draft_share", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, draft, tokenizer = demo_pair()
+    prompts = held_out_prompts(tokenizer, 2, 12)
+    assert module.check_hand_step(draft, prompts[0], 7) < 1e-4
+    with torch.no_grad():  # two rows, each from its own prompt's state
+        states = [stree.TreeModel(draft) for _ in prompts]
+        for model, prompt in zip(states, prompts):
+            model.prefill(prompt)
+        conv = torch.stack([m.cache.conv[0][:, None] for m in states])[:, 0].clone()
+        ssm = torch.stack([m.cache.recurrent[0][:, None] for m in states])[:, 0].clone()
+        got = module.hand_step(draft, torch.tensor([3, 9]), conv, ssm)
+        for row, (prompt, token) in enumerate(zip(prompts, (3, 9))):
+            want = draft(torch.cat([prompt, torch.tensor([[token]])], dim=1)).logits[0, -1]
+            torch.testing.assert_close(got[row], want, atol=1e-4, rtol=1e-4)

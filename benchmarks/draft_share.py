@@ -1,0 +1,207 @@
+"""How small can the draft's share of a round get? The bundled pair's draft pass against a floor.
+
+A round drafts p levels (one draft pass each) and verifies them in one target pass, so the draft's share of a round
+is about p·d / (p·d + V) for a draft pass of d seconds and a target pass of V. This script measures, in one run:
+  stree level    one level of drafting as stree.generate runs it: the draft's pass over a level's expanded nodes
+                 (TreeModel.extend), then scores, log-softmax, top-k and the copy to the host (stree.draft);
+  floor level    the same work written by hand as a plain batched single-token step through the draft's own modules
+                 (embedding, norm, in_proj, conv and SSM state updates, gated norm, out_proj, final norm, LM head,
+                 top-k), one row per expanded node, each from its own state: what any eager engine has to run for a
+                 level, with no tree bookkeeping at all (checked against HF's own forward before it is timed);
+  target pass    the target's pass over a tree of `--nodes` nodes (what verifies a round), and its one-node pass;
+and prints the share a round of p draft levels would have with either (p from 1 to 6; the default adaptive tree
+drafts 2-5 levels a round on the bundled pair), then the measured shares of stree.generate's default tree and of
+DynamicTree(16) on held-out prompts. Medians of interleaved repeats; a table on stdout and JSON.
+
+    python benchmarks/draft_share.py                      # the bundled pair, float32
+    python benchmarks/draft_share.py --dtype bfloat16
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
+# package that transformers probes for when it is imported. Drop the folder first.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import stree  # noqa: E402
+from stree.demo import demo_pair, held_out_prompts  # noqa: E402
+from stree.draft import draft_tree  # noqa: E402
+from stree.models import TreeModel  # noqa: E402
+from stree.sampling import Sampler  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def hand_step(draft, tokens, conv, ssm):
+    """One decoding step of a Mamba2 draft for a batch of rows, written out by hand: tokens (E,) ints, conv
+    (E, layers, conv_dim, K) and ssm (E, layers, heads, head_dim, d_state) the rows' states (updated in place).
+    Returns logits (E, vocab). HF's decode path, without its wrappers (cache objects, masks, output classes)."""
+    hidden = draft.backbone.embeddings(tokens)
+    for j, block in enumerate(draft.backbone.layers):
+        m = block.mixer
+        H, P, N, G = m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups
+        I = m.intermediate_size
+        gate, xbc, dt = m.in_proj(block.norm(hidden)).split([I, I + 2 * G * N, H], dim=-1)
+        window = conv[:, j]
+        window.copy_(torch.cat([window[:, :, 1:], xbc[:, :, None]], dim=-1))
+        xbc = F.silu((window * m.conv1d.weight[:, 0]).sum(-1) + m.conv1d.bias)
+        x, B, C = xbc.split([I, G * N, G * N], dim=-1)
+        dt = F.softplus(dt + m.dt_bias)                                                     # (E, H)
+        x = x.view(-1, H, P)
+        B, C = (t.view(-1, G, 1, N).repeat_interleave(H // G, dim=1) for t in (B, C))       # (E, H, 1, N)
+        state = ssm[:, j]
+        state.mul_(torch.exp(dt * -torch.exp(m.A_log))[..., None, None]).add_((dt[..., None] * x)[..., None] * B)
+        y = (state @ C.transpose(-1, -2))[..., 0] + m.D[:, None] * x                        # (E, H, P)
+        hidden = hidden + m.out_proj(m.norm(y.reshape(-1, I), gate))
+    return draft.lm_head(draft.backbone.norm_f(hidden))
+
+
+def check_hand_step(draft, prompt, token):
+    """The hand-written step after HF's prefill of `prompt` gives HF's logits for prompt + [token]."""
+    with torch.no_grad():
+        tm = TreeModel(draft)
+        tm.prefill(prompt)
+        cache = tm.cache
+        layers = range(len(draft.backbone.layers))
+        conv = torch.stack([cache.conv[j] for j in layers], dim=1).clone()
+        ssm = torch.stack([cache.recurrent[j] for j in layers], dim=1).clone()
+        got = hand_step(draft, torch.tensor([token]), conv, ssm)[0]
+        want = draft(torch.cat([prompt, torch.tensor([[token]])], dim=1)).logits[0, -1]
+    error = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    if error > 1e-3 * max(scale, 1.0):
+        raise AssertionError(f"the hand-written step differs from HF's forward by {error:.2e} (logits up to {scale:.1f})")
+    return error
+
+
+def median_ms(functions, repeats):
+    """{name: median ms} of interleaved calls of each function."""
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, f in functions.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rows", type=int, default=3, help="expanded nodes per level (DynamicTree's frontier)")
+    parser.add_argument("--nodes", type=int, default=17, help="target tree nodes, root included")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=os.path.join(RESULTS, "draft-share-cpu.json"))
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    target, draft, tokenizer = demo_pair(dtype=dtype)
+    target.generation_config.eos_token_id = None
+    prompts = held_out_prompts(tokenizer, args.prompts, 32)
+    name = f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"
+    print(f"device: cpu ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
+    print(f"draft: mamba2, {draft.config.num_hidden_layers} layer(s), hidden {draft.config.hidden_size}, vocab "
+          f"{draft.config.vocab_size}; target: {target.config.model_type}, {target.config.num_hidden_layers} layers, "
+          f"hidden {target.config.hidden_size}; a level expands {args.rows} nodes, the target verifies {args.nodes}")
+    error = check_hand_step(draft, prompts[0], 7)
+    print(f"hand-written step vs HF's forward: max |logit difference| {error:.1e}")
+
+    E, k = args.rows, 3
+    draft_model, target_model = TreeModel(draft, nodes=32), TreeModel(target, nodes=32)
+    draft_model.prefill(prompts[0], max_length=256)
+    target_model.prefill(prompts[0], max_length=256)
+    sampler = Sampler()
+    level_spec = stree.StaticTree((E, 1))  # the root's E children, then one level expanding all E of them
+    cache = draft_model.cache
+    layers = range(draft.config.num_hidden_layers)
+    conv = torch.stack([cache.conv[j] for j in layers], dim=1).expand(E, -1, -1, -1).clone()
+    ssm = torch.stack([cache.recurrent[j] for j in layers], dim=1).expand(E, -1, -1, -1, -1).clone()
+    rows = torch.arange(E) + 5
+
+    @torch.no_grad()
+    def stree_root():  # a trunk pass alone: the root's children
+        draft_tree(draft_model, [5], stree.StaticTree((E,)), sampler, 0)
+        draft_model.discard()
+
+    @torch.no_grad()
+    def stree_two_levels():
+        draft_tree(draft_model, [5], level_spec, sampler, 0)
+        draft_model.discard()
+
+    @torch.no_grad()
+    def floor_level():
+        logits = hand_step(draft, rows, conv, ssm)
+        return logits.double().log_softmax(-1).topk(k, dim=-1).values.tolist()
+
+    @torch.no_grad()
+    def target_pass(n):
+        def run():
+            target_model.tree_forward([[5] * n], [[-1] + [0] * (n - 1)])[0, 0].tolist()
+            target_model.discard()
+        return run
+
+    for f in (stree_root, stree_two_levels, floor_level, target_pass(args.nodes), target_pass(1)):
+        for _ in range(5):
+            f()
+    ms = median_ms({"stree root": stree_root, "stree root + level": stree_two_levels, "floor level": floor_level,
+                    "target pass": target_pass(args.nodes), "target 1-node pass": target_pass(1)}, args.repeats)
+    stree_level = ms["stree root + level"] - ms["stree root"]
+    verify = ms["target pass"]
+    print(f"\n{'':>24} {'ms':>8} {'x floor':>8}")
+    pass_ms = dict(stree_level=stree_level, floor_level=ms["floor level"], stree_trunk=ms["stree root"],
+                    target_pass=verify, target_one_node=ms["target 1-node pass"])
+    for label, value in (("stree level", stree_level), ("floor level", ms["floor level"]),
+                         ("stree trunk pass", ms["stree root"]), (f"target {args.nodes}-node pass", verify),
+                         ("target 1-node pass", ms["target 1-node pass"])):
+        print(f"{label:>24} {value:8.2f} {value / ms['floor level']:8.2f}")
+    print(f"\ndraft share of a round of p levels, p·d / (p·d + target pass):")
+    print(f"{'p':>4} {'stree':>8} {'floor':>8}")
+    shares = []
+    for p in range(1, 7):
+        s, f = (p * d / (p * d + verify) for d in (stree_level, ms["floor level"]))
+        shares.append(dict(levels=p, stree=s, floor=f))
+        print(f"{p:>4} {s:8.1%} {f:8.1%}")
+
+    measured = []
+    print(f"\nmeasured rounds ({args.prompts} held-out prompts x {args.max_new_tokens} tokens):")
+    print(f"{'tree':>22} {'tok/s':>7} {'tau':>5} {'levels':>7} {'draft ms':>9} {'verify ms':>10} {'share':>6}")
+    for label, tree in (("default (adaptive)", stree.DynamicTree(adaptive=True)), ("DynamicTree(16)",
+                                                                                   stree.DynamicTree(16))):
+        totals = dict(tokens=0, seconds=0.0, draft=0.0, verify=0.0, rounds=0, passes=0)
+        for prompt in prompts:
+            _, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=args.max_new_tokens,
+                                      tree=tree, return_stats=True)
+            totals["tokens"] += stats.new_tokens
+            totals["seconds"] += stats.total_time - stats.prefill_time
+            totals["draft"] += stats.draft_time
+            totals["verify"] += stats.verify_time
+            totals["rounds"] += stats.rounds
+            totals["passes"] += stats.draft_passes
+        decode = totals["seconds"]
+        row = dict(tree=label, tokens_per_s=totals["tokens"] / decode, tau=totals["tokens"] / totals["rounds"],
+                   levels_per_round=totals["passes"] / totals["rounds"],
+                   draft_ms=1e3 * totals["draft"] / totals["rounds"],
+                   verify_ms=1e3 * totals["verify"] / totals["rounds"], draft_share=totals["draft"] / decode)
+        measured.append(row)
+        print(f"{label:>22} {row['tokens_per_s']:7.1f} {row['tau']:5.2f} {row['levels_per_round']:7.2f} "
+              f"{row['draft_ms']:9.2f} {row['verify_ms']:10.2f} {row['draft_share']:6.1%}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device="cpu", device_name=name, threads=torch.get_num_threads(), dtype=args.dtype,
+                       rows_per_level=E, target_nodes=args.nodes, hand_step_error=error, pass_ms=pass_ms,
+                       shares=shares, measured=measured), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
