@@ -64,16 +64,20 @@ def hand_step(draft, tokens, conv, ssm):
     return draft.lm_head(draft.backbone.norm_f(hidden))
 
 
+def committed_states(model):
+    """A prefilled TreeModel's committed states, every layer stacked, as hand_step takes them: conv
+    (batch, layers, conv_dim, K) and ssm (batch, layers, heads, head_dim, d_state), copies."""
+    cache, layers = model.cache, range(model.model.config.num_hidden_layers)
+    return (torch.stack([cache.conv[j] for j in layers], dim=1).clone(),
+            torch.stack([cache.recurrent[j] for j in layers], dim=1).clone())
+
+
 def check_hand_step(draft, prompt, token):
     """The hand-written step after HF's prefill of `prompt` gives HF's logits for prompt + [token]."""
     with torch.no_grad():
         tm = TreeModel(draft)
         tm.prefill(prompt)
-        cache = tm.cache
-        layers = range(len(draft.backbone.layers))
-        conv = torch.stack([cache.conv[j] for j in layers], dim=1).clone()
-        ssm = torch.stack([cache.recurrent[j] for j in layers], dim=1).clone()
-        got = hand_step(draft, torch.tensor([token]), conv, ssm)[0]
+        got = hand_step(draft, torch.tensor([token]), *committed_states(tm))[0]
         want = draft(torch.cat([prompt, torch.tensor([[token]])], dim=1)).logits[0, -1]
     error = (got.double() - want.double()).abs().max().item()
     scale = want.double().abs().max().item()
@@ -82,7 +86,7 @@ def check_hand_step(draft, prompt, token):
     return error
 
 
-def median_ms(functions, repeats):
+def interleaved_median_ms(functions, repeats):
     """{name: median ms} of interleaved calls of each function."""
     times = {name: [] for name in functions}
     for _ in range(repeats):
@@ -121,12 +125,9 @@ def main():
     draft_model.prefill(prompts[0], max_length=256)
     target_model.prefill(prompts[0], max_length=256)
     sampler = Sampler()
-    level_spec = stree.StaticTree((E, 1))  # the root's E children, then one level expanding all E of them
-    cache = draft_model.cache
-    layers = range(draft.config.num_hidden_layers)
-    conv = torch.stack([cache.conv[j] for j in layers], dim=1).expand(E, -1, -1, -1).clone()
-    ssm = torch.stack([cache.recurrent[j] for j in layers], dim=1).expand(E, -1, -1, -1, -1).clone()
-    rows = torch.arange(E) + 5
+    level_spec = stree.StaticTree((E, k))  # the root's E children, then one level: top-k children of each
+    conv, ssm = (t.expand(E, *t.shape[1:]).clone() for t in committed_states(draft_model))
+    tokens = torch.arange(E) + 5
 
     @torch.no_grad()
     def stree_root():  # a trunk pass alone: the root's children
@@ -140,7 +141,7 @@ def main():
 
     @torch.no_grad()
     def floor_level():
-        logits = hand_step(draft, rows, conv, ssm)
+        logits = hand_step(draft, tokens, conv, ssm)
         return logits.double().log_softmax(-1).topk(k, dim=-1).values.tolist()
 
     @torch.no_grad()
@@ -153,7 +154,7 @@ def main():
     for f in (stree_root, stree_two_levels, floor_level, target_pass(args.nodes), target_pass(1)):
         for _ in range(5):
             f()
-    ms = median_ms({"stree root": stree_root, "stree root + level": stree_two_levels, "floor level": floor_level,
+    ms = interleaved_median_ms({"stree root": stree_root, "stree root + level": stree_two_levels, "floor level": floor_level,
                     "target pass": target_pass(args.nodes), "target 1-node pass": target_pass(1)}, args.repeats)
     stree_level = ms["stree root + level"] - ms["stree root"]
     verify = ms["target pass"]
