@@ -41,10 +41,12 @@ class StateCache:
         self.groups = groups
         self.keys, self.values = keys, values
         self.length = length
-        self.conv, self.recurrent = {}, {}
+        self.conv, self.recurrent = {}, {}  # layer -> its views (eager passes use them, see states())
+        self._slice_of = {}
         for group in groups:
             for j, layer in enumerate(group.layers):
                 self.conv[layer], self.recurrent[layer] = group.slices(j)
+                self._slice_of[layer] = (group, j)
         self._slots = None      # (R,) positions the current pass writes its keys/values to
 
     @property
@@ -78,6 +80,15 @@ class StateCache:
             recs = [recurrent_layers[i][1] for i in layers]
             groups.append(StateGroup(layers, conv, None if recs[0] is None else torch.cat(recs, dim=1)))
         return cls(groups, keys, values, length)
+
+    def states(self, layer):
+        """Layer `layer`'s (conv, recurrent) views. Inside torch.compile they are sliced in the graph: a view held
+        from outside would be a graph input of its own, aliasing the stacked tensor a commit writes, and
+        torch.compile merges such inputs into one that is not static (then CUDA graphs are skipped)."""
+        if torch.compiler.is_compiling():
+            group, j = self._slice_of[layer]
+            return group.slices(j)
+        return self.conv[layer], self.recurrent[layer]
 
     def load(self, other):
         """Copy `other`'s states into this cache's tensors if every layout and shape agrees (True), else do

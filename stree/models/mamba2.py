@@ -63,12 +63,14 @@ class Mamba2Layers:
             for new, kept in zip((self.xbc, self.conv, self.dt), old):
                 new[:, :, :kept.shape[2]] = kept
         self.capacity = capacity
-        # Each layer's views, made once: a pass then spends no operation on slicing them.
+        self.views = [self._views(j) for j in range(n)]  # made once: an eager pass spends no operation on them
+
+    def _views(self, j):
+        """Layer j's views of the buffers: xbc, conv, dt and conv's x (batch, capacity, H, P), B and C (.., G, N)."""
         I, GN, H, P, G, N = self.dims
-        self.views = [dict(xbc=self.xbc[j], conv=self.conv[j], dt=self.dt[j],
-                           x=self.conv[j][..., :I].unflatten(-1, (H, P)),
-                           B=self.conv[j][..., I:I + GN].unflatten(-1, (G, N)),
-                           C=self.conv[j][..., I + GN:].unflatten(-1, (G, N))) for j in range(n)]
+        conv = self.conv[j]
+        return dict(xbc=self.xbc[j], conv=conv, dt=self.dt[j], x=conv[..., :I].unflatten(-1, (H, P)),
+                    B=conv[..., I:I + GN].unflatten(-1, (G, N)), C=conv[..., I + GN:].unflatten(-1, (G, N)))
 
     def forward(self, j, hidden_states, tree_pass, conv_state, ssm_state):
         """Layer j over the pass's new nodes. hidden_states (batch, R, hidden) of nodes tree_pass.rows (R,);
@@ -86,7 +88,9 @@ class Mamba2Layers:
         if falcon:
             projected = projected * mixer.mup_vector
         gate, xbc, dt = projected.split([I, I + 2 * GN, H], dim=-1)
-        view = self.views[j]
+        # Compiled, the views are made in the graph: one held from outside would be a graph input of its own, aliasing
+        # the buffer it views, and torch.compile merges such inputs into one that is not static (no CUDA graphs).
+        view = self._views(j) if torch.compiler.is_compiling() else self.views[j]
         view["xbc"].index_copy_(1, rows, xbc)
         view["dt"].index_copy_(1, rows, F.softplus(dt + as_dtype(mixer.dt_bias, dt.dtype)))
         # Only the new nodes are computed; the earlier ones act as their ancestors through the buffers.

@@ -520,8 +520,7 @@ class TreeModel:
     def _tree_forward_of(self, layer_idx):
         def forward(hidden_states, *args, **kwargs):
             layers, j = self._layers[layer_idx]
-            return layers.forward(j, hidden_states, self._pass, self._cache.conv[layer_idx],
-                                  self._cache.recurrent[layer_idx])
+            return layers.forward(j, hidden_states, self._pass, *self._cache.states(layer_idx))
         return forward
 
     def logits(self, hidden):
