@@ -222,8 +222,8 @@ def main(argv=None):
     parser.add_argument("--large-new-tokens", type=int, default=24)
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--both-drafting", action="store_true",
-                        help="also draft each greedy static/dynamic tree the other way (on the device on a CPU, on "
-                        "the host on a GPU; stree.generate's draft_on_device)")
+                        help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
+                        "(draft_on_device: on the device with compiled passes on a GPU, else on the host)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
     parser.add_argument("--overhead-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
@@ -274,7 +274,7 @@ def main(argv=None):
             for temperature in args.temperatures:
                 trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
                 if args.both_drafting and temperature == 0:
-                    other = not grows_on_device(device)
+                    other = not grows_on_device(device, bool(args.compile))
                     trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
                                   for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "

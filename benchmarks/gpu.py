@@ -47,24 +47,25 @@ GENERATE_RUNS = {
                      ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4", "--dtypes",
                       "float32", "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens",
                       "4", "--repeats", "1"],
-                     (130, 150)),
-    # one tree: on the first H200 run (2026-12-04) compiling four methods' passes took over 270 s
+                     (120, 150)),
+    # one tree, the default, drafted both ways: on the first H200 run (2026-12-04) compiling four methods' passes took
+    # over 270 s; on the second, HF + the AR loop + DynamicTree(16) took 150 s
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
-                               "--temperatures", "0", "--trees", "dynamic-16", "--compile", "--prompts", "1",
-                               "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1", "16"], None,
-                              (160, 0)),
-    # greedy trees drafted on the device (the default on a GPU: one copy to the host a round) and on the host, eager
+                               "--temperatures", "0", "--trees", "dynamic-16-adaptive", "--compile", "--both-drafting",
+                               "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
+                               "16"], None, (200, 0)),
+    # greedy trees drafted on the host (the eager default: one copy to the host per draft pass) and on the device, eager
     "bundled-pair-drafting": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--trees", "dynamic-16", "--both-drafting", "--prompts", "2",
                                "--repeats", "2", "--max-new-tokens", "64", "--overhead-sizes", "1", "16"], None,
-                              (60, 0)),
+                              (45, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
                              None, (35, 0)),  # the dry run's bundled-pair run already times the tree overhead
     "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
                                None, (35, 0)),
 }
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and benchmarks/kernels.py's arguments. ------
-BUDGETS = {"equivalence": (90, 120), "kernels": (40, 120)}  # dry-run budgets: a safety net on a loaded CPU
+BUDGETS = {"equivalence": (90, 120), "kernels": (30, 120)}  # dry-run budgets: a safety net on a loaded CPU
 KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
                  "--dtype", "bfloat16", "--min-time", "0.3"],
                 ["--shapes", "tiny", "--sizes", "4", "--dtype", "float32", "--backend", "triton", "--min-time", "0",

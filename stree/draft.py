@@ -548,13 +548,15 @@ def _ancestors(parents, nodes):
 _GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}  # level by level on the host
 
 
-def grows_on_device(device):
+def grows_on_device(device, compiled):
     """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes)
-    rather than level by level on the host: on accelerators, where a copy to the host waits for every queued
-    launch; not on a CPU, where nothing is queued and the bookkeeping costs a little more as tensor ops than in
-    numpy and Python (the bundled pair, fp32, benchmarks/generate.py --both-drafting: eager, drafting +13-18% a
-    round; compiled, the same within noise)."""
-    return torch.device(device).type != "cpu"
+    rather than level by level on the host: only on an accelerator whose draft passes are `compiled` (CUDA graphs
+    there), where a level's choice, feed and scores replay as graphs and a copy to the host would wait for them.
+    Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (measured, the
+    bundled pair in bf16 on an H200, benchmarks/generate.py --both-drafting: DynamicTree(16) 1.52x HF generate
+    drafted on the host against 1.28x on the device, drafting 12.1 against 15.5 ms a round; on a CPU, fp32, eager
+    +13-18% drafting a round on the device, compiled the same within noise)."""
+    return torch.device(device).type != "cpu" and compiled
 
 
 def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):
@@ -567,7 +569,7 @@ def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=Non
     """
     growth = _Growth(draft, trunk, sampler, generated, generator, costs)
     if on_device is None:
-        on_device = grows_on_device(draft.device)
+        on_device = grows_on_device(draft.device, draft._compiled)
     if on_device and sampler.greedy and not isinstance(spec, BeamTree):
         return _greedy(growth, spec)
     return _GROW[type(spec)](growth, spec)
