@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stree import BeamTree, DynamicTree, StaticTree
-from stree.draft import draft_tree, tree_shapes
+from stree.draft import draft_tree, grows_on_device, tree_shapes
 from stree.models import TreeModel, tiny_model
 from stree.sampling import Sampler
 
@@ -115,6 +115,17 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
     assert len(set(fed)) == len(fed) and set(fed) <= set(range(sum(sizes))) and sum(sizes) <= slots  # pruning may drop some
     has_child = {p for p in drafted.parents if p >= 0}
     assert all(drafted.pass_index[n] >= 0 for n in has_child | set(range(len(trunk))))
+
+
+def test_trees_grow_on_the_device_by_default_only_for_compiled_passes_on_an_accelerator():
+    """draft_on_device=None: eager passes draft on the host (measured faster on a CPU and, eager, on an H200); compiled
+    ones on an accelerator draft on the device. A CPU draft, eager, takes the host path (one transfer a pass)."""
+    assert [grows_on_device(d, c) for d in ("cpu", "cuda", "cuda:1") for c in (False, True)] == [
+        False, False, False, True, False, True]
+    draft = TreeModel(tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=3))
+    draft.prefill(torch.tensor([[1, 2, 3]]))
+    draft.extend_on_device = None  # the device path would call it
+    assert draft_tree(draft, [4], DynamicTree(budget=4, depth=2), Sampler(), generated=0).transfers == 2
 
 
 def test_device_grown_trees_on_padded_compiled_passes():
