@@ -13,6 +13,7 @@ Table on stdout, JSON and a PNG in benchmarks/results/.
     python benchmarks/generate.py --dtypes float32 bfloat16 --large    # both regimes, both dtypes
     python benchmarks/generate.py --compile                            # torch.compile'd passes (warm-up reported)
     python benchmarks/generate.py --both-drafting                      # greedy trees drafted on host and device
+    python benchmarks/generate.py --profile 25                         # + where each method's host time goes
     python benchmarks/generate.py --target PATH --draft PATH           # any local HF checkpoints
     python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
 """
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from stree import BeamTree, DynamicTree, StaticTree, random_parents  # noqa: E402
-from stree.benchmark import compare, format_rows  # noqa: E402
+from stree.benchmark import compare, format_profile, format_rows  # noqa: E402
 from stree.demo import demo_pair, held_out_prompts  # noqa: E402
 from stree.draft import grows_on_device  # noqa: E402
 from stree.models import TreeModel, inflate_bamba, tiny_model  # noqa: E402
@@ -224,6 +225,9 @@ def main(argv=None):
     parser.add_argument("--both-drafting", action="store_true",
                         help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
                         "(draft_on_device: on the device with compiled passes on a GPU, else on the host)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then one more run of each stree method under cProfile: its N functions with the most "
+                        "own time per round (printed and in the JSON rows' 'profile')")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
     parser.add_argument("--overhead-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
@@ -280,8 +284,10 @@ def main(argv=None):
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
                 rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,
-                               repeats=args.repeats, compile=args.compile)
+                               repeats=args.repeats, compile=args.compile, profile=args.profile)
                 print(format_rows(rows))
+                if args.profile:
+                    print(format_profile(rows))
                 result["tables"].append(dict(target=label, params=params, dtype=dtype_name, temperature=temperature,
                                              new_tokens=new_tokens, prompts=args.prompts, rows=rows))
                 save()

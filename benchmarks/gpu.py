@@ -53,7 +53,7 @@ GENERATE_RUNS = {
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--trees", "dynamic-16-adaptive", "--compile", "--both-drafting",
                                "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
-                               "16"], None, (200, 0)),
+                               "16", "--profile", "30"], None, (200, 0)),
     # greedy trees drafted on the host (the eager default: one copy to the host per draft pass) and on the device, eager
     "bundled-pair-drafting": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
                                "--temperatures", "0", "--trees", "dynamic-16", "--both-drafting", "--prompts", "2",

@@ -3,6 +3,9 @@
 Used by `stree bench` and benchmarks/generate.py. Every method decodes the same prompts; the methods of one repeat
 run back to back, so a ratio compares runs that saw the same machine load, and repeats give its range.
 """
+import cProfile
+import os
+import pstats
 import statistics
 import time
 
@@ -33,7 +36,8 @@ def identical_prefix(a, b, start):
     return int(differs[0]) if len(differs) else n
 
 
-def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0):
+def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0,
+            profile=0):
     """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec,
     or a dict of stree.generate's keyword arguments with the spec as `tree`}), `repeats` times. Returns one row
     per method:
@@ -41,7 +45,9 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
         tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
         agreement (greedy: mean number of leading tokens equal to HF's output, and whether all are equal).
-    With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`. Sampling
+    With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`. profile=N:
+    after the timed runs, one more untimed run of each stree method under cProfile, whose N functions with the most
+    own time (host time: Python, and the launches or device waits inside them) go to the row's `profile`. Sampling
     draws from the global RNG, seeded before each run, as when a user passes no generator (so the default tree
     sizes itself from measured costs; with a generator it keeps its fixed shape).
     """
@@ -79,6 +85,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             elapsed, outs = run(name)
             times[name].append(elapsed)
             results[name] = outs
+    profiles = {name: _profiled(lambda: run(name), profile) for name in methods if profile and name != "HF generate"}
     rows, reference = [], [out for out, _ in results["HF generate"]]
     for name in methods:
         stats = [s for _, s in results[name] if s is not None]
@@ -90,6 +97,8 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
                    tau=_mean([p for s in stats for p in s.tokens_per_pass]) if stats else 1.0,
                    draft_passes=sum(s.draft_passes for s in stats) / max(sum(s.rounds for s in stats), 1),
                    breakdown=_mean_breakdown(stats), warmup_s=warmup[name] if compile else None)
+        if name in profiles:
+            row["profile"] = profiles[name]
         if temperature == 0:
             prompt_len = prompts[0].shape[1]
             same = [identical_prefix(out, ref, prompt_len) for (out, _), ref in zip(results[name], reference)]
@@ -97,6 +106,30 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
                                     all_equal=all(s == max_new_tokens for s in same))
         rows.append(row)
     return rows
+
+
+def _profiled(run, top):
+    """Run `run` (compare's run of one method) under cProfile: its `top` functions by own time, per round."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, outs = run()
+    profiler.disable()
+    rounds = max(sum(s.rounds for _, s in outs if s is not None), 1)
+    entries = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    return [dict(function=f"{os.path.basename(file)}:{line}({name})", calls_per_round=calls / rounds,
+                 own_ms_per_round=1e3 * own / rounds, cumulative_ms_per_round=1e3 * cumulative / rounds)
+            for (file, line, name), (_, calls, own, cumulative, _) in entries]
+
+
+def format_profile(rows):
+    """compare()'s profiles as text: per method, its functions by own time, ms and calls per round."""
+    lines = []
+    for r in rows:
+        if r.get("profile"):
+            lines.append(f"{r['method']}: functions by own time (per round: own ms, cumulative ms, calls)")
+            lines += [f"  {p['own_ms_per_round']:8.3f} {p['cumulative_ms_per_round']:8.3f} {p['calls_per_round']:7.1f}  "
+                      f"{p['function']}" for p in r["profile"]]
+    return "\n".join(lines)
 
 
 def _mean(values):

@@ -89,3 +89,21 @@ def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "stree")
     assert os.path.exists(exe)
     assert "generate" in subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
+
+
+def test_compare_profiles_each_stree_method():
+    """compare(profile=N): one more run of each stree method under cProfile, its N functions with the most own time
+    per round, most first; HF's generate is not profiled."""
+    import torch
+    from stree.benchmark import compare, format_profile
+    target, draft = tiny_model("bamba", seed=1), tiny_model("mamba2", seed=2)
+    target.generation_config.eos_token_id = None
+    rows = compare(target, draft, [torch.tensor([[5, 6, 7]])], {"chain": StaticTree((1, 1))}, max_new_tokens=6,
+                   repeats=1, profile=5)
+    assert [r["method"] for r in rows if "profile" in r] == ["stree autoregressive", "chain"]
+    for r in rows[1:]:
+        own = [p["own_ms_per_round"] for p in r["profile"]]
+        assert len(own) == 5 and own == sorted(own, reverse=True) and own[0] > 0
+        assert all(p["cumulative_ms_per_round"] >= p["own_ms_per_round"] and p["calls_per_round"] > 0
+                   for p in r["profile"])
+    assert format_profile(rows).count("functions by own time") == 2
