@@ -329,8 +329,8 @@ def test_a_compiled_pass_writes_no_input_that_is_not_static(family):
     """CUDA graphs replay a compiled pass only if every graph input it writes in place is static (keeps its address
     and is known to torch.compile as such); inductor skips the graphs otherwise. Seen on an H200: a view of a
     marked buffer is a graph input of its own, and inputs that alias a written one are merged into a new base that
-    is not static. Checked with torch.compile's own bookkeeping on the graphs of a first tree pass, one whose
-    commit runs in it, and a level grown on the device; families: attention with Mamba2 and with short-conv layers,
+    is not static. Checked with torch.compile's own bookkeeping on the graphs of a first tree pass, an extension,
+    a pass whose commit runs in it, and a level grown on the device; families: attention with Mamba2 and with short-conv layers,
     and an attention-free model (its modules are called directly). (That every buffer a pass writes is marked is
     checked for every family by the test above, without compiling.)"""
     model = tiny_model(family)
@@ -339,9 +339,9 @@ def test_a_compiled_pass_writes_no_input_that_is_not_static(family):
     tm = TreeModel(model, nodes=8).compile(backend=static_input_backend(graphs))
     tm._static_buffers = True  # what compile() sets on CUDA
     tm.prefill(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2)))
-    for _ in range(2):
-        tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
-        tm.commit([0])
+    tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
+    tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))  # what drafting on the host runs
+    tm.commit([4])
     tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
     tm.extend_on_device(2, 2, lambda ids: (torch.tensor([tokens[:2]]), torch.tensor([[0, 0]]), None))
     assert len(graphs) >= 3, f"{len(graphs)} graphs compiled: the check missed a pass"
