@@ -278,7 +278,7 @@ def main(argv=None):
             for temperature in args.temperatures:
                 trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
                 if args.both_drafting and temperature == 0:
-                    other = not grows_on_device(device, bool(args.compile))
+                    other = not grows_on_device(device, args.compile)
                     trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
                                   for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "

@@ -3,6 +3,7 @@
 Used by `stree bench` and benchmarks/generate.py. Every method decodes the same prompts; the methods of one repeat
 run back to back, so a ratio compares runs that saw the same machine load, and repeats give its range.
 """
+import copy
 import cProfile
 import os
 import pstats
@@ -85,7 +86,13 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             elapsed, outs = run(name)
             times[name].append(elapsed)
             results[name] = outs
-    profiles = {name: _profiled(lambda: run(name), profile) for name in methods if profile and name != "HF generate"}
+    if profile:  # cProfile slows the run: the costs adaptive trees keep on the target must not learn from it
+        kept = copy.deepcopy(target.__dict__.get("_stree_costs"))
+        profiles = {name: _profiled(lambda: run(name), profile) for name in methods if name != "HF generate"}
+        if kept is not None:
+            target.__dict__["_stree_costs"] = kept
+    else:
+        profiles = {}
     rows, reference = [], [out for out, _ in results["HF generate"]]
     for name in methods:
         stats = [s for _, s in results[name] if s is not None]

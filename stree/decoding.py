@@ -139,8 +139,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             default: see the README for when it pays.
         draft_on_device: grow greedy static and dynamic trees on the device, with one copy to the host per round
             (adaptive trees: per level drafted) instead of one per draft pass; the same trees but for exact ties
-            and node order. None = on accelerators with compiled passes, else not (stree.draft.grows_on_device
-            says why).
+            and node order. None = on CUDA with compiled passes, else not (stree.draft.grows_on_device says
+            why).
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 

@@ -550,13 +550,15 @@ _GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}  # level b
 
 def grows_on_device(device, compiled):
     """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes)
-    rather than level by level on the host: only on an accelerator whose draft passes are `compiled` (CUDA graphs
-    there), where a level's choice, feed and scores replay as graphs and a copy to the host would wait for them.
+    rather than level by level on the host: only on CUDA with `compiled` draft passes (TreeModel.compile: CUDA
+    graphs), where a level's choice, feed and scores replay as graphs and a copy to the host would wait for them
+    (not yet measured against host drafting there: benchmarks/gpu.py's compiled step does).
     Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (measured, the
     bundled pair in bf16 on an H200, benchmarks/generate.py --both-drafting: DynamicTree(16) 1.52x HF generate
     drafted on the host against 1.28x on the device, drafting 12.1 against 15.5 ms a round; on a CPU, fp32, eager
-    +13-18% drafting a round on the device, compiled the same within noise)."""
-    return torch.device(device).type != "cpu" and compiled
+    +13-18% drafting a round on the device, compiled the same within noise). Other accelerators draft on the host
+    (unmeasured)."""
+    return torch.device(device).type == "cuda" and compiled
 
 
 def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):

@@ -117,15 +117,22 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
     assert all(drafted.pass_index[n] >= 0 for n in has_child | set(range(len(trunk))))
 
 
-def test_trees_grow_on_the_device_by_default_only_for_compiled_passes_on_an_accelerator():
+def test_trees_grow_on_the_device_by_default_only_for_compiled_passes_on_cuda(monkeypatch):
     """draft_on_device=None: eager passes draft on the host (measured faster on a CPU and, eager, on an H200); compiled
-    ones on an accelerator draft on the device. A CPU draft, eager, takes the host path (one transfer a pass)."""
-    assert [grows_on_device(d, c) for d in ("cpu", "cuda", "cuda:1") for c in (False, True)] == [
-        False, False, False, True, False, True]
+    ones on CUDA (CUDA graphs) draft on the device. draft_tree asks with the draft's device and compiled flag."""
+    import stree.draft
+    assert [grows_on_device(d, c) for d in ("cpu", "cuda", "cuda:1", "mps") for c in (False, True)] == [
+        False, False, False, True, False, True, False, False]
     draft = TreeModel(tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=3))
     draft.prefill(torch.tensor([[1, 2, 3]]))
-    draft.extend_on_device = None  # the device path would call it
-    assert draft_tree(draft, [4], DynamicTree(budget=4, depth=2), Sampler(), generated=0).transfers == 2
+    asked = []
+    monkeypatch.setattr(stree.draft, "grows_on_device", lambda device, compiled: asked.append((device, compiled)))
+    for compiled in (False, True):
+        draft._compiled = compiled
+        drafted = draft_tree(draft, [4], DynamicTree(budget=4, depth=2), Sampler(), generated=0)
+        draft.discard()
+        assert drafted.transfers == drafted.passes == 2  # the host path: one copy a pass
+    assert asked == [(draft.device, False), (draft.device, True)]
 
 
 def test_device_grown_trees_on_padded_compiled_passes():

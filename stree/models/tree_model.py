@@ -510,7 +510,8 @@ class TreeModel:
         capacities = (cache.capacity, tuple(a.capacity for a in adapters))
         if capacities == self._marked:
             return
-        # every view as well as its base: a view is a graph input of its own
+        # the views too: eager passes write through them (compiled ones slice their own in the graph, since a
+        # view from outside would be a graph input aliasing its base; see Mamba2Layers.forward)
         for t in tree_leaves([cache.keys, cache.values, cache.conv, cache.recurrent, [vars(a) for a in adapters],
                               [(g.conv, g.recurrent) for g in cache.groups]]):
             if isinstance(t, torch.Tensor):
