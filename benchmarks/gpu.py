@@ -48,11 +48,12 @@ GENERATE_RUNS = {
                       "float32", "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens",
                       "4", "--repeats", "1"],
                      (120, 150)),
-    # one tree, the default, drafted both ways, then profiled: on the first H200 run (2026-12-04) compiling four
-    # methods' passes took over 270 s; on the second, HF + the AR loop + DynamicTree(16) took 132 s. (Eager drafting
-    # both ways was measured on the second run: the host won, 1.52x against 1.28x HF generate.)
+    # a fixed tree (its levels grown in one call: one graph replay a round) and the default adaptive one, then profiled:
+    # on the first H200 run (2026-12-04) compiling four methods' passes took over 270 s; on the second, HF + the AR
+    # loop + DynamicTree(16) took 132 s. (Eager drafting both ways was measured on the second run: the host won,
+    # 1.52x against 1.28x HF generate.)
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
-                               "--temperatures", "0", "--trees", "dynamic-16-adaptive", "--compile", "--both-drafting",
+                               "--temperatures", "0", "--trees", "dynamic-16", "dynamic-16-adaptive", "--compile",
                                "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
                                "16", "--profile", "30"], None, (245, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],

@@ -347,11 +347,12 @@ def _greedy_plan(spec):
 
 
 def _greedy(growth, spec):
-    """A greedy StaticTree / DynamicTree grown on the device: the trunk pass, then per level one call
-    (TreeModel.extend_on_device) that chooses the nodes to expand among the last level's children (a DynamicTree's
-    `frontier` most probable paths, a StaticTree's all), feeds them and takes their top-k children, with no host
-    sync; the tree comes to the host in one copy at the end (adaptive trees: each level as it is drafted, to decide
-    whether another pays)."""
+    """A greedy StaticTree / DynamicTree grown on the device: the trunk pass, then the levels
+    (TreeModel.extend_on_device), each choosing the nodes to expand among the last level's children (a DynamicTree's
+    `frontier` most probable paths, a StaticTree's all), feeding them and taking their top-k children, with no host
+    sync; a fixed tree's levels all in one call (compiled: one graph), the tree coming to the host in one copy at
+    the end; an adaptive tree's in one call each, each level coming to the host as it is drafted, to decide whether
+    another pays."""
     draft, plan, sampler, costs = growth.draft, _greedy_plan(spec), growth.sampler, _costs(growth, spec)
     trunk, root = len(growth.tokens), growth.root
     # first[level]: the draft's id of the first node expanded at that level (level 0: the root)
@@ -365,16 +366,19 @@ def _greedy(growth, spec):
     replay = _Replay(growth, first)
     joint = logits.new_zeros(1, dtype=torch.float64)
     replay.levels.append(_top_children(sampler, plan[0][1], logits, (joint, None, generated)))
-    for level, (expand, k) in enumerate(plan[1:], 1):
-        if costs is not None:
+    levels = [(expand, root + level, _pick_children, functools.partial(_top_children, sampler, k),
+               functools.partial(_level_args, expand)) for level, (expand, k) in enumerate(plan[1:], 1)]
+    if costs is None and levels:  # a fixed tree: every level in one call
+        (R, depth, choose, then, args_of), *more = levels
+        replay.levels += draft.extend_on_device(R, depth, choose, args_of(replay.levels[-1]), then, more=more)
+        growth.passes += len(levels)
+    elif costs is not None:  # an adaptive tree: a call per level, while another pays
+        for R, depth, choose, then, args_of in levels:
             replay.pull()
             if not _level_pays(costs, spec, *replay.decision(spec)):
                 break
-        joint, _, log_q, tokens, generated = replay.levels[-1]
-        args = (joint, log_q, tokens, expand, generated)
-        replay.levels.append(draft.extend_on_device(expand, root + level, _pick_children, args,
-                                                    functools.partial(_top_children, sampler, k)))
-        growth.passes += 1
+            replay.levels.append(draft.extend_on_device(R, depth, choose, args_of(replay.levels[-1]), then))
+            growth.passes += 1
     replay.pull()
     draft.settle([replay.settled])
     if isinstance(spec, StaticTree):
@@ -394,6 +398,12 @@ def _pick_children(ids, joint, log_q, tokens, expand, generated):
     picked = paths.sort(descending=True, stable=True).indices[:expand].sort().values
     parents = ids[0] - E + picked // k
     return tokens.reshape(-1)[picked][None], parents[None], (paths[picked], picked, generated)
+
+
+def _level_args(expand, level):
+    """_pick_children's arguments for the level after `level` (_top_children's output), which expands `expand`."""
+    joint, _, log_q, tokens, generated = level
+    return joint, log_q, tokens, expand, generated
 
 
 def _top_children(sampler, k, logits, carry):

@@ -102,7 +102,8 @@ def test_draft_passes_carry_only_the_nodes_they_expand(spec, on_device):
         setattr(draft, name, lambda tokens, parents, run=run, **kw: (sizes.append(len(tokens[0])),
                                                                       run(tokens, parents, **kw))[1])
     level = draft.extend_on_device  # greedy trees grown on the device feed their levels here, beams on the host
-    draft.extend_on_device = lambda R, *args: (sizes.append(R), level(R, *args))[1]
+    draft.extend_on_device = lambda R, *args, more=None: (sizes.extend([R] + [m[0] for m in more or ()]),
+                                                          level(R, *args, more=more))[1]
     trunk = [4, 5]
     drafted = draft_tree(draft, trunk, spec, Sampler(), generated=0, on_device=on_device)
     _, slots, width = tree_shapes(spec)

@@ -138,12 +138,14 @@ def test_extending_a_tree_equals_one_pass_over_the_grown_tree(family):
     assert_cache_is_after(grown, model, prompt, [tokens[k] for k in path_to(parents, 12)], hf_tol(family))
 
 
-@pytest.mark.parametrize("family, batch", [(f, 1) for f in FAMILIES] + [("bamba", 2), ("qwen3_next", 3)])
-def test_levels_grown_on_the_device_equal_sequential_decoding(family, batch):
+@pytest.mark.parametrize("family, batch, one_call", [(f, 1, False) for f in FAMILIES] + [
+    ("bamba", 2, False), ("qwen3_next", 3, False), ("bamba", 2, True), ("mamba", 1, True), ("qwen3_next", 1, True),
+    ("lfm2", 1, True)])
+def test_levels_grown_on_the_device_equal_sequential_decoding(family, batch, one_call):
     """A trunk pass, then levels of nodes chosen on the device (extend_on_device: tokens and parents from choose(),
-    the host tree told only at settle()), every row its own tree: every new node's logits equal HF's sequential
-    decoding of its path, and after settle() the commit of a node of the last level leaves each row's state HF's
-    (then a host-built tree on top still agrees)."""
+    the host tree told only at settle()), one call per level or all in one call (`more`), every row its own tree:
+    every new node's logits equal HF's sequential decoding of its path, and after settle() the commit of a node of
+    the last level leaves each row's state HF's (then a host-built tree on top still agrees)."""
     model = tiny_model(family, dtype=torch.float64)
     g = torch.Generator().manual_seed(31)
     prompts = torch.randint(0, 64, (batch, 6), generator=g)
@@ -151,23 +153,33 @@ def test_levels_grown_on_the_device_equal_sequential_decoding(family, batch):
     tm = TreeModel(model, nodes=4)
     tm.prefill(prompts)
     tm.tree_forward(tokens, parents, logits_for=[1], slots=12)
-    last, grown = [1], [[] for _ in range(batch)]
-    tol = dict(rtol=hf_tol(family), atol=hf_tol(family))
-    for depth, size in enumerate((3, 1, 4, 2), 2):
+    last, grown, levels = [1], [[] for _ in range(batch)], []
+    for depth, size in enumerate((3, 1, 4, 2), 2):  # level: (size, depth, tokens, parents, the new nodes' ids)
         level_parents = [[last[int(i)] for i in torch.randint(0, len(last), (size,), generator=g)] for _ in grown]
-        level_tokens = torch.randint(0, 64, (batch, size), generator=g).tolist()
-        chosen, ids = (torch.tensor(level_tokens), torch.tensor(level_parents), "carried"), []
-        carry, logits = tm.extend_on_device(size, depth, lambda new_ids: (ids.append(new_ids.tolist()), chosen)[1],
-                                            then=lambda logits, carry: (carry, logits))
-        new = list(range(len(tokens[0]), len(tokens[0]) + size))
-        assert carry == "carried" and logits.shape == (batch, size, 64) and ids == [new]
+        new = list(range(2 + sum(level[0] for level in levels), 2 + sum(level[0] for level in levels) + size))
+        levels.append((size, depth, torch.randint(0, 64, (batch, size), generator=g).tolist(), level_parents, new))
+        last = new
+    ids = []
+    choices = [lambda new_ids, level=level: (ids.append(new_ids.tolist()), (torch.tensor(level[2]),
+                                                                         torch.tensor(level[3]), "carried"))[1]
+               for level in levels]
+    then = lambda logits, carry: (carry, logits)  # noqa: E731
+    if one_call:
+        (size, depth, *_), *rest = levels
+        outs = tm.extend_on_device(size, depth, choices[0], then=then, more=[
+            (level[0], level[1], choose, then, lambda out: ()) for level, choose in zip(rest, choices[1:])])
+    else:
+        outs = [tm.extend_on_device(level[0], level[1], choose, then=then) for level, choose in zip(levels, choices)]
+    tol = dict(rtol=hf_tol(family), atol=hf_tol(family))
+    assert ids == [level[4] for level in levels]
+    for (size, depth, level_tokens, level_parents, new), (carry, logits) in zip(levels, outs):
+        assert carry == "carried" and logits.shape == (batch, size, 64)
         for b in range(batch):
             tokens[b], parents[b] = tokens[b] + level_tokens[b], parents[b] + level_parents[b]
             grown[b] += level_parents[b]
             for row, node in enumerate(new):
                 want, _ = decode_sequentially(model, prompts[b:b + 1], [tokens[b][k] for k in path_to(parents[b], node)])
                 torch.testing.assert_close(logits[b, row], want.to(logits.dtype), **tol)
-        last = new
     with pytest.raises(RuntimeError, match="settle"):
         tm.commit([last[0]] * batch)
     with pytest.raises(ValueError, match="10 nodes"):
@@ -330,7 +342,7 @@ def test_a_compiled_pass_writes_no_input_that_is_not_static(family):
     and is known to torch.compile as such); inductor skips the graphs otherwise. Seen on an H200: a view of a
     marked buffer is a graph input of its own, and inputs that alias a written one are merged into a new base that
     is not static. Checked with torch.compile's own bookkeeping on the graphs of a first tree pass, an extension,
-    a pass whose commit runs in it, and a level grown on the device; families: attention with Mamba2 and with
+    a pass whose commit runs in it, and two levels grown on the device in one call; families: attention with Mamba2 and with
     short-conv layers, and an attention-free model (its modules are called directly). The other mixer kinds slice
     their buffers inside the pass; Jamba and Qwen3-Next passed here too but compile for over a minute each (graph
     breaks). That every buffer a pass writes is marked is checked for every family by the test above."""
@@ -344,7 +356,8 @@ def test_a_compiled_pass_writes_no_input_that_is_not_static(family):
     tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))  # what drafting on the host runs
     tm.commit([4])
     tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
-    tm.extend_on_device(2, 2, lambda ids: (torch.tensor([tokens[:2]]), torch.tensor([[0, 0]]), None))
+    level = lambda parents: lambda ids: (torch.tensor([tokens[:2]]), torch.tensor([parents]), None)  # noqa: E731
+    tm.extend_on_device(2, 2, level([0, 0]), more=[(2, 3, level([3, 4]), None, lambda logits: ())])  # two levels
     assert len(graphs) >= 3, f"{len(graphs)} graphs compiled: the check missed a pass"
     assert sum(written for written, _ in graphs) > 0, "no graph input was written in place: the check saw nothing"
     assert not any(unstatic for _, unstatic in graphs), f"graph inputs written in place but not static: {graphs}"

@@ -384,7 +384,7 @@ class TreeModel:
             self._pass = None
 
     @torch.no_grad()
-    def extend_on_device(self, R, depth, choose, args=(), then=None):
+    def extend_on_device(self, R, depth, choose, args=(), then=None, *, more=None):
         """Grow the uncommitted tree by one level of R new nodes chosen on the device, without a host sync.
 
         choose(ids, *args) -> (tokens, parents, carry): ids (R,) the new nodes' ids on the device (the next R ids, as
@@ -393,6 +393,9 @@ class TreeModel:
         length + depth).
         then(logits, carry) -> out, logits (batch, R, vocab) of the new nodes; without it out = logits.
         Both run inside the pass's call (compiled with it: a level of drafting is one call). Returns out.
+        more: further levels grown in the same call (compiled: one graph, on CUDA one replay, for them all),
+        ((R, depth, choose, then, args_of), ...): the next level's choose() gets args_of(out) of the level before
+        it. Then (even when empty) returns [out of every level].
         The host tree learns the new nodes in settle(), which extend(), commit() and host-built passes need
         first; the tree cannot grow its slots here (tree_forward's `slots`).
         """
@@ -400,22 +403,29 @@ class TreeModel:
             raise RuntimeError("no tree to extend: call tree_forward() first")
         tree, cache = self.tree, self._cache
         start = tree.n + self._unsettled
-        width, head_rows = self._shape(R, list(range(R)))
-        if start + width > tree.capacity:
-            raise ValueError(f"{start + width} node slots needed, the tree holds {tree.capacity}: pass slots= to "
-                             "tree_forward()")
-        layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
-        header = HostTree.header(layout, start, cache.length, np.full((cache.batch, R), depth), head_rows=head_rows)
-        header = to_device(header, self.device)
-        levels = self._level_positions([np.arange(width)]) if self._sequential else ()  # no new node is another's ancestor
-        out, structure = self._call(header, layout, levels, None, (R, choose, args, then, self._structure))
+        headers, layouts, levels, plan = [], [], [], []
+        for R_i, depth_i, choose_i, then_i, args_of in [(R, depth, choose, then, None), *(more or ())]:
+            width, head_rows = self._shape(R_i, list(range(R_i)))
+            if start + width > tree.capacity:
+                raise ValueError(f"{start + width} node slots needed, the tree holds {tree.capacity}: pass slots= to "
+                                 "tree_forward()")
+            layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
+            headers.append(HostTree.header(layout, start, cache.length, np.full((cache.batch, R_i), depth_i),
+                                           head_rows=head_rows))
+            layouts.append(layout)
+            # no new node is another's ancestor
+            levels.append(self._level_positions([np.arange(width)]) if self._sequential else ())
+            plan.append((R_i, headers[-1].size, choose_i, then_i, args_of))
+            start += R_i
+        header = to_device(np.concatenate(headers), self.device)
+        outs, structure = self._call(header, layouts, levels, None, (plan, args, self._structure))
         if getattr(self, "_static_buffers", False):
             # CUDA graphs: a graph's outputs are overwritten by its next replay, which the next level is (the
             # caller keeps every level's outputs until it copies them over)
-            out, structure = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (out, structure))
+            outs, structure = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (outs, structure))
         self._structure = structure
-        self._unsettled += R
-        return out
+        self._unsettled += sum(level[0] for level in plan)
+        return outs if more is not None else outs[0]
 
     def settle(self, parents):
         """Tell the host tree the parents of the nodes extend_on_device() added since tree_forward() or the last
@@ -451,20 +461,29 @@ class TreeModel:
         (flat, layout) and the levels of _level_positions, after the pending commit's (the arguments of _commit, or
         None). Returns logits (batch, K = the pass's head rows, vocab).
 
-        grown (extend_on_device): (R, choose, args, then, structure), and `flat` is only HostTree.header()'s part; the
-        pass's tensor is HostTree.extended()'s. Returns (then's output, the extended structure)."""
+        grown (extend_on_device): (plan, args, structure), one pass per level of plan, [(R, header size, choose, then,
+        args_of)]; `flat` holds the levels' HostTree.header()s one after another, and layout and levels are lists
+        with one entry per level; a level's pass tensor is HostTree.extended()'s. Returns ([then's output of every
+        level], the extended structure)."""
         if pending is not None:
             self._commit(*pending)
         if grown is None:
             return self._forward(flat, layout, levels)
-        R, choose, args, then, structure = grown
-        tokens, parents, carry = choose(flat[:R], *args)  # the header's first field: the new nodes' ids
-        if tokens.shape != (layout.batch, R) or parents.shape != tokens.shape:
-            raise ValueError(f"choose() gave tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)}; "
-                             f"expected both (batch={layout.batch}, R={R})")
-        flat = HostTree.extended(flat, tokens, parents, structure, layout)
-        logits = self._forward(flat, layout, levels)[:, :R]
-        return (logits if then is None else then(logits, carry)), flat[flat.numel() - structure.numel():]
+        plan, args, structure = grown
+        headers = flat.split([size for _, size, *_ in plan])
+        outs = []
+        for (R, _, choose, then, args_of), header, level_layout, level_positions in zip(plan, headers, layout, levels):
+            if args_of is not None:
+                args = args_of(outs[-1])
+            tokens, parents, carry = choose(header[:R], *args)  # the header's first field: the new nodes' ids
+            if tokens.shape != (level_layout.batch, R) or parents.shape != tokens.shape:
+                raise ValueError(f"choose() gave tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)}; "
+                                 f"expected both (batch={level_layout.batch}, R={R})")
+            flat = HostTree.extended(header, tokens, parents, structure, level_layout)
+            logits = self._forward(flat, level_layout, level_positions)[:, :R]
+            outs.append(logits if then is None else then(logits, carry))
+            structure = flat[flat.numel() - structure.numel():]
+        return outs, structure
 
     def _forward(self, flat, layout, levels):
         """The model's forward over a pass's tensor: logits (batch, K, vocab)."""
