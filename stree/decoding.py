@@ -241,7 +241,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             logits = target.tree_forward([tokens], [parents])[0]
             scores = sampler.scores(logits, len(generated) + torch.tensor(drafted.depth[offset:], device=device))
             if sampler.greedy:
-                accepted, bonus = verify_greedy(tokens, parents, scores)
+                greedy = scores.argmax(-1).tolist()
+                accepted, bonus = verify_greedy(tokens, parents, greedy)
                 stats.transfers += 1
             else:
                 draft_probs = {node - offset: q for node, q in drafted.probs.items()}
@@ -262,9 +263,12 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
         if costs is not None:
             round_s = time.perf_counter() - round_start
-            costs.update(draft_s, drafted.passes, verify_s, len(tokens), round_s - draft_s - verify_s,
-                         len(accepted) - 1, drafted.expected)
+            costs.update(draft_s, drafted.passes, drafted.level_seconds, verify_s, len(tokens),
+                         round_s - draft_s - verify_s, len(accepted) - 1, drafted.expected)
             costs.note_levels(len(accepted) - 1, accepted[-1] in parents)
+            if sampler.greedy:  # every verified node tells how often the target agrees with a draft probability
+                costs.note_agreement([(drafted.draft_q[n + offset], greedy[parents[n]] == tokens[n])
+                                      for n in range(1, len(tokens))])
             costs.note_round(context, len(accepted), round_s)
             hit, steps = len(accepted) > 1, 0
     if streamer is not None:

@@ -12,6 +12,7 @@ import functools
 import itertools
 import math
 import operator
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +38,9 @@ class DynamicTree:
 
     adaptive: decide each round's depth from measured costs (RoundCosts) instead of always drafting `depth`
     levels: another level is drafted only while its expected extra tokens per extra second beat the round's
-    current expected tokens per second (expected tokens: the nodes' estimates, RoundCosts: the draft's path
-    probabilities when greedy, the measured level acceptance when sampling, calibrated by how many tokens the
-    target actually accepted in earlier rounds).
+    current expected tokens per second (expected tokens: the nodes' estimates, RoundCosts: greedy, how often the
+    target has chosen children of the draft probabilities along the node's path; sampled, the measured level
+    acceptance; calibrated by how many tokens the target actually accepted in earlier rounds).
 
     coverage (sampling only): an expanded node gets as many children, at most top_k, as its draft distribution's
     most probable tokens need to reach this share of its mass (a confident node one child, so the budget goes to
@@ -116,19 +117,23 @@ def tree_shapes(spec, paced=False):
 
 @dataclass
 class RoundCosts:
-    """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass; a target pass of n nodes
-    (target_time: verify + verify_node·n, or verify + the measured verify_curve at n); the rest of a round (commit,
-    bookkeeping); calibration = tokens the target accepted / tokens the tree's node estimates expected; and, for
-    sampled trees, level_accept. Measured once at the start (generate's calibration passes) and updated every
-    round.
+    """The cost model DynamicTree(adaptive=True) decides with, in seconds: a draft pass (a level's, timed from the
+    first level's arrival on the host to the last's) and what a round's drafting costs beyond its passes
+    (draft_round: the first pass also feeds the trunk and applies the last commit's device part); a target pass of
+    n nodes (target_time: verify + verify_node·n, or verify + the measured verify_curve at n); the rest of a round
+    (commit, bookkeeping); calibration = tokens the target accepted / tokens the tree's node estimates expected;
+    greedy agreement and, for sampled trees, level_accept. Measured once at the start (generate's calibration
+    passes) and updated every round.
 
-    Node estimates: greedy, a node's draft path probability (a greedy child is accepted when the target's argmax
-    is that token, which the draft's probability of it estimates). Sampled, the draft's probability of a drawn
+    Node estimates: greedy, the product along the node's path of agreement(q) (a greedy child is accepted when
+    the target's argmax after its parent is its token; agreement maps the draft's probability q of that token to
+    how often that has happened, measured on every verified node). Sampled, the draft's probability of a drawn
     token says how likely it was drawn, not how likely it is accepted (with a draft equal to the target every first
     child is), so a sampled child is estimated at its parent's estimate times level_accept (the measured share of
     verification steps at which a child of the last accepted node was accepted), split among its siblings in
     proportion to their draft probabilities."""
     draft: float = 0.0
+    draft_round: float = 0.0
     verify: float = 0.0
     verify_node: float = 0.0
     other: float = 0.0
@@ -141,6 +146,9 @@ class RoundCosts:
     paced: dict = field(default_factory=dict)  # round context (None: all) -> [weight, tokens, seconds]
     level_hits: float = 1.0   # decayed counts behind level_accept (prior: one hit in two tries)
     level_tries: float = 2.0
+    # decayed counts behind agreement(q), per tenth of q: greedy children the target chose, children verified
+    agree_hits: list = field(default_factory=lambda: [0.0] * RoundCosts.AGREE_BINS)
+    agree_tries: list = field(default_factory=lambda: [0.0] * RoundCosts.AGREE_BINS)
 
     @property
     def level_accept(self):
@@ -151,6 +159,31 @@ class RoundCosts:
         children (all rejected) rather than at a leaf."""
         self.level_hits = self.PACE_MEMORY * self.level_hits + accepted
         self.level_tries = self.PACE_MEMORY * self.level_tries + accepted + bool(stopped)
+
+    # Greedy agreement: how often the target's argmax is a child the draft gave probability q, by tenths of q. The
+    # draft's probability itself underestimates it wherever the draft is fairly sure (measured on the bundled pair:
+    # q 0.6-0.7 agreed 91% of the time, 0.2-0.3 40%), and a path multiplies the gap: depth-6 nodes were accepted
+    # 2.4x as often as their path probability said, depth-1 nodes 1.2x, which no single calibration factor fixes.
+    AGREE_BINS = 10
+    AGREE_PRIOR = 2.0     # tries' worth of the draft's own probability in every bin
+    AGREE_MEMORY = 0.99   # weight of the counts so far when a round's nodes come in
+
+    def agreement(self, q):
+        """The estimated chance that the target's greedy choice after a node is its child of draft probability q:
+        the child's bin's measured share, shrunk towards q itself (AGREE_PRIOR tries' worth; q with no counts)."""
+        b = min(int(q * self.AGREE_BINS), self.AGREE_BINS - 1)
+        return (self.AGREE_PRIOR * q + self.agree_hits[b]) / (self.AGREE_PRIOR + self.agree_tries[b])
+
+    def note_agreement(self, verified):
+        """Fold in one greedy verification: (q, agreed) per verified draft node, q its draft probability given its
+        parent, agreed whether the target's argmax after its parent is its token (whether or not the parent was
+        accepted)."""
+        self.agree_hits = [self.AGREE_MEMORY * h for h in self.agree_hits]
+        self.agree_tries = [self.AGREE_MEMORY * t for t in self.agree_tries]
+        for q, agreed in verified:
+            b = min(int(q * self.AGREE_BINS), self.AGREE_BINS - 1)
+            self.agree_hits[b] += bool(agreed)
+            self.agree_tries[b] += 1.0
 
     @property
     def known(self):
@@ -167,7 +200,7 @@ class RoundCosts:
 
     def round_time(self, passes, nodes):
         """Seconds of a round of `passes` draft passes verifying `nodes` nodes (root included)."""
-        return passes * self.draft + self.target_time(nodes) + self.other
+        return self.draft_round + passes * self.draft + self.target_time(nodes) + self.other
 
     def best_rate(self, probs, passes):
         """(expected tokens per second, nodes kept) of the best tree made of the most probable of `probs` (path
@@ -181,12 +214,17 @@ class RoundCosts:
                 best = (rate, k)
         return best
 
-    def update(self, draft_seconds, passes, verify_seconds, nodes, other_seconds, accepted, expected):
-        """Fold in one round: its draft time over `passes` passes, its target pass over `nodes` nodes, the rest, and
-        the draft tokens accepted against the draft's expectation for the tree it sent."""
+    def update(self, draft_seconds, passes, level_seconds, verify_seconds, nodes, other_seconds, accepted,
+               expected):
+        """Fold in one round: its draft time over `passes` passes (level_seconds of it from the first level on the
+        host to the last), its target pass over `nodes` nodes, the rest, and the draft tokens accepted against the
+        draft's expectation for the tree it sent."""
         mix = 1.0 - self.decay
+        if passes > 1:
+            self.draft += mix * (_bounded(level_seconds / (passes - 1), self.draft) - self.draft)
         if passes:
-            self.draft += mix * (_bounded(draft_seconds / passes, self.draft) - self.draft)
+            fixed = max(0.0, draft_seconds - passes * self.draft)
+            self.draft_round += mix * (_bounded(fixed, self.draft_round) - self.draft_round)
         base = self.target_time(nodes)
         self.verify += mix * (_bounded(verify_seconds, base) - base)  # drift goes to the base
         self.other += mix * (_bounded(other_seconds, self.other) - self.other)
@@ -249,7 +287,9 @@ class DraftedTree:
     passes: int          # draft tree passes spent
     probs: dict = field(default_factory=dict)  # node -> draft distribution (vocab,) its children were drawn from
     transfers: int = 0   # device-to-host copies made while drafting
-    expected: float = 0.0  # the draft's expected accepted tokens: sum of the kept nodes' path probabilities
+    expected: float = 0.0  # the draft's expected accepted tokens: sum of the kept nodes' estimates (RoundCosts)
+    draft_q: list = None   # greedy dynamic trees: each node's draft probability given its parent (None: trunk, root)
+    level_seconds: float = 0.0  # from the first level's arrival on the host to the last's (RoundCosts.update)
 
 
 class _Growth:
@@ -265,6 +305,7 @@ class _Growth:
         self.fed = {}  # node -> its id in the draft's uncommitted tree (the nodes its passes have seen)
         self.passes = 0
         self.transfers = 0  # device-to-host copies
+        self.arrivals = []  # perf_counter() when each level (or levels pulled together) came to the host
 
     @property
     def root(self):
@@ -310,6 +351,7 @@ class _Growth:
             values = probs.gather(-1, picked).log()
         host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
         self.transfers += 1
+        self.arrivals.append(time.perf_counter())
         return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
                 for r, node in enumerate(nodes)}
 
@@ -319,19 +361,22 @@ class _Growth:
         self.depth.append(self.depth[parent] + 1)
         return len(self.tokens) - 1
 
-    def result(self, keep=None, joint=None):
+    def result(self, keep=None, estimates=None, draft_q=None):
         """The DraftedTree; keep (sorted node ids, trunk included) restricts it to a subtree, order preserved;
-        joint: {node: log path probability below the root} of the nodes the expectation counts."""
+        estimates: {node: estimated chance of acceptance} of the nodes the expectation counts; draft_q: {node: its
+        draft probability given its parent}."""
         keep = list(range(len(self.tokens))) if keep is None else keep
         kept = set(keep)
-        expected = sum(math.exp(lp) for n, lp in (joint or {}).items() if n in kept and n != self.root)
+        expected = sum(p for n, p in (estimates or {}).items() if n in kept and n != self.root)
         new_id = {old: new for new, old in enumerate(keep)}
         return DraftedTree(tokens=[self.tokens[i] for i in keep],
                            parents=[new_id[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
                            depth=[self.depth[i] for i in keep],
                            pass_index=[self.fed.get(i, -1) for i in keep], passes=self.passes,
                            probs={new_id[i]: q for i, q in self.probs.items() if i in new_id},
-                           transfers=self.transfers, expected=expected)
+                           transfers=self.transfers, expected=expected,
+                           draft_q=None if draft_q is None else [draft_q.get(i) for i in keep],
+                           level_seconds=self.arrivals[-1] - self.arrivals[0] if self.arrivals else 0.0)
 
 
 def _greedy_plan(spec):
@@ -375,7 +420,7 @@ def _greedy(growth, spec):
     elif costs is not None:  # an adaptive tree: a call per level, while another pays
         for R, depth, choose, then, args_of in levels:
             replay.pull()
-            if not _level_pays(costs, spec, *replay.decision(spec)):
+            if not _level_pays(costs, spec, *replay.decision(spec, costs)):
                 break
             replay.levels.append(draft.extend_on_device(R, depth, choose, args_of(replay.levels[-1]), then))
             growth.passes += 1
@@ -436,6 +481,7 @@ class _Replay:
                  if t is not None]
         values, at = torch.cat(parts).tolist(), 0
         self.growth.transfers += 1
+        self.growth.arrivals.append(time.perf_counter())
         growth = self.growth
         for level, (_, picked, _, tokens, _) in enumerate(new, self.done):
             expanded = self.children
@@ -456,23 +502,40 @@ class _Replay:
                     self.children.append(child)
         self.done = len(self.levels)
 
-    def decision(self, spec):
-        """_level_pays' arguments after the host has every level: (joint, root, the nodes the next level would
-        expand, the mean probability of each child rank at the last level, passes so far)."""
+    def decision(self, spec, costs):
+        """_level_pays' arguments after the host has every level: (node estimates, root, the nodes the next level
+        would expand, the mean agreement of each child rank at the last level, passes so far)."""
         expand = sorted(self.children, key=lambda n: -self.joint[n])[:spec.frontier]
-        ratios = [sum(math.exp(row[r]) for row in self.log_q) / len(self.log_q) for r in range(len(self.log_q[0]))]
-        return self.joint, self.growth.root, expand, ratios, self.growth.passes
+        ratios = [sum(costs.agreement(math.exp(row[r])) for row in self.log_q) / len(self.log_q)
+                  for r in range(len(self.log_q[0]))]
+        estimates, _ = _greedy_estimates(costs, self.growth.parents, self.joint)
+        return estimates, self.growth.root, expand, ratios, self.growth.passes
 
 
 def _most_probable(growth, spec, joint, costs):
-    """A greedy DynamicTree's kept nodes: the `budget` most probable (adaptive: as many as pay); a path's probability
-    never exceeds its prefix's, so ancestors rank first (ties broken towards earlier, i.e. shallower or
-    earlier-drawn, nodes)."""
+    """A greedy DynamicTree's kept nodes: the `budget` most probable (adaptive: the most likely of those by their
+    estimates, as many as pay); neither a path's probability nor its estimate exceeds its prefix's, so ancestors
+    rank first (ties broken towards earlier, i.e. shallower or earlier-drawn, nodes)."""
     ranked = sorted((n for n in joint if n != growth.root), key=lambda n: (-joint[n], n))[:spec.budget]
+    estimates, draft_q = _greedy_estimates(costs, growth.parents, joint)
     if costs is not None:
-        ranked = ranked[:costs.best_rate([math.exp(joint[n]) for n in ranked], growth.passes)[1]]
+        ranked.sort(key=lambda n: (-estimates[n], n))
+        ranked = ranked[:costs.best_rate([estimates[n] for n in ranked], growth.passes)[1]]
     keep = set(range(growth.root + 1)) | set(ranked) | _ancestors(growth.parents, ranked)
-    return growth.result(sorted(keep), joint)
+    return growth.result(sorted(keep), estimates, draft_q)
+
+
+def _greedy_estimates(costs, parents, joint):
+    """({node: estimated chance the target accepts it}, {node: its draft probability given its parent}) of the
+    nodes below the root of `joint` (log draft path probabilities, the root at 0): the product along the path of
+    costs.agreement(q) (RoundCosts), or of q itself without costs (a fixed tree)."""
+    estimates, draft_q = {}, {}
+    for node in sorted(joint):  # ids are topological
+        parent = parents[node]
+        if parent in joint:
+            draft_q[node] = q = math.exp(joint[node] - joint[parent])
+            estimates[node] = estimates.get(parent, 1.0) * (q if costs is None else costs.agreement(q))
+    return estimates, draft_q
 
 
 def _static(growth, spec):
@@ -494,7 +557,8 @@ def _dynamic(growth, spec):
             room = spec.budget - (len(growth.tokens) - growth.root - 1)
             expand = expand[:room // spec.top_k]
         if not expand or (costs is not None and ratios is not None and
-                          not _level_pays(costs, spec, joint, growth.root, expand, ratios, growth.passes)):
+                          not _level_pays(costs, spec, _estimates(costs, growth, joint), growth.root, expand, ratios,
+                                          growth.passes)):
             break
         children = growth.expand(expand, spec.top_k, spec.coverage)
         frontier, ratios = [], [0.0] * spec.top_k
@@ -506,10 +570,20 @@ def _dynamic(growth, spec):
                 estimate = log_q + share if sampled_estimates else log_q
                 joint[child] = joint[node] + estimate
                 frontier.append(child)
-                ratios[rank] += math.exp(estimate) / len(expand)  # mean estimate of the rank-th child
+                if costs is not None:  # the mean estimate of the rank-th child
+                    ratios[rank] += (math.exp(estimate) if sampled_estimates else
+                                     costs.agreement(math.exp(log_q))) / len(expand)
     if not growth.sampler.greedy:
-        return growth.result(joint=joint)
+        return growth.result(estimates=_estimates(costs, growth, joint))
     return _most_probable(growth, spec, joint, costs)
+
+
+def _estimates(costs, growth, joint):
+    """{node: estimated chance of acceptance} of _dynamic's nodes: greedy, _greedy_estimates; sampled, `joint`
+    holds the estimates' logs already (see RoundCosts)."""
+    if growth.sampler.greedy:
+        return _greedy_estimates(costs, growth.parents, joint)[0]
+    return {n: math.exp(lp) for n, lp in joint.items() if n != growth.root}
 
 
 def _costs(growth, spec):
@@ -518,15 +592,16 @@ def _costs(growth, spec):
     return growth.costs if adaptive else None
 
 
-def _level_pays(costs, spec, joint, root, expand, ratios, passes):
+def _level_pays(costs, spec, estimates, root, expand, ratios, passes):
     """Whether drafting one more level raises the round's expected tokens per second (DynamicTree.adaptive).
 
-    The next level's nodes would be the children of `expand`: child j of a node of path probability p is
-    estimated at p times the mean probability of the j-th child at the last level (`ratios`). The best tree of
-    the nodes so far (costs.best_rate: the most probable nodes, as many as pay for their share of the target
-    pass) is compared with the best tree of those plus the estimated children, one draft pass dearer."""
-    probs = sorted((math.exp(lp) for n, lp in joint.items() if n != root), reverse=True)[:spec.budget]
-    estimated = [math.exp(joint[n]) * r for n in expand for r in ratios]
+    estimates: {node: estimated chance of acceptance} (RoundCosts) below the root. The next level's nodes would be
+    the children of `expand`: child j of a node of estimate p is estimated at p times the mean estimate of the
+    j-th child at the last level given its parent (`ratios`). The best tree of the nodes so far (costs.best_rate:
+    the most likely nodes, as many as pay for their share of the target pass) is compared with the best tree of
+    those plus the estimated children, one draft pass dearer."""
+    probs = sorted((p for n, p in estimates.items() if n != root), reverse=True)[:spec.budget]
+    estimated = [estimates.get(n, 1.0) * r for n in expand for r in ratios]
     grown = sorted(probs + estimated, reverse=True)[:spec.budget]
     return costs.best_rate(grown, passes + 1)[0] > costs.best_rate(probs, passes)[0]
 

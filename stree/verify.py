@@ -13,15 +13,15 @@ def children_lists(parents):
     return children
 
 
-def verify_greedy(tokens, parents, logits, root=0):
+def verify_greedy(tokens, parents, greedy, root=0):
     """Longest path from `root` whose every token is the target's argmax after its parent.
 
-    tokens, parents: the tree (python lists); logits (T, vocab): the target's logits at each node.
+    tokens, parents: the tree (python lists); greedy (T,): the target's argmax after each node, a list of ints
+    (`logits.argmax(-1).tolist()`: ties resolve to the lowest token id, as in HF's greedy search).
     Returns (accepted, bonus): accepted node ids from root down (root included) and the target's argmax after
-    the last accepted node. Ties resolve to the lowest token id, as torch.argmax does in HF's greedy search.
+    the last accepted node.
     """
     children = children_lists(parents)
-    greedy = logits.argmax(dim=-1).tolist()
     accepted = [root]
     while True:
         node = accepted[-1]

@@ -193,11 +193,12 @@ def test_sampled_dynamic_trees_give_each_node_the_children_its_coverage_needs(co
     assert (fewer > 0) == (coverage < 1.0)  # the sharpened distributions leave some nodes a single child
 
 
-@pytest.mark.parametrize("sampled", [True, False])
-def test_adaptive_trees_estimate_sampled_nodes_by_measured_level_acceptance(sampled):
+@pytest.mark.parametrize("sampled, on_device", [(True, False), (False, False), (False, True)])
+def test_adaptive_trees_estimate_nodes_by_measured_acceptance(sampled, on_device):
     """The node estimates an adaptive tree sizes itself by (DraftedTree.expected is their sum), recomputed from the
     drafted tree: sampled, a child is its parent's estimate times level_accept, split among its siblings by their
-    draft probabilities; greedy, the draft's path probability."""
+    draft probabilities; greedy, its parent's estimate times the measured agreement at the child's draft
+    probability (DraftedTree.draft_q, checked against HF's forward)."""
     from stree.draft import RoundCosts
     model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=4)
     prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -205,13 +206,15 @@ def test_adaptive_trees_estimate_sampled_nodes_by_measured_level_acceptance(samp
     costs.note_levels(3, True)
     costs.note_levels(0, True)
     assert costs.level_accept == pytest.approx((0.95 ** 2 + 0.95 * 3) / (2 * 0.95 ** 2 + 0.95 * 4 + 1))
+    costs.note_agreement([(q / 20, q % 3 > 0) for q in range(20)] * 3)  # agreement now differs from q
+    assert costs.agreement(0.12) != pytest.approx(0.12)
     spec = DynamicTree(budget=9, depth=3, top_k=2, frontier=2, adaptive=True, coverage=1.0)
     for seed in range(3):
         draft = TreeModel(model)
         draft.prefill(prompt)
         sampler = Sampler(1.0) if sampled else Sampler()
         drafted = draft_tree(draft, [5], spec, sampler, generated=0, costs=costs,
-                             generator=torch.Generator().manual_seed(seed))
+                             generator=torch.Generator().manual_seed(seed), on_device=on_device)
         children, path = {}, {0: ()}
         for node in range(1, len(drafted.tokens)):
             children.setdefault(drafted.parents[node], []).append(node)
@@ -224,8 +227,40 @@ def test_adaptive_trees_estimate_sampled_nodes_by_measured_level_acceptance(samp
                 siblings = sum(float(q[drafted.tokens[s]]) for s in children[parent])
                 estimate[node] = estimate[parent] * costs.level_accept * float(q[drafted.tokens[node]]) / siblings
             else:
-                estimate[node] = estimate[parent] * float(q[drafted.tokens[node]])
+                draft_q = float(q[drafted.tokens[node]])
+                assert drafted.draft_q[node] == pytest.approx(draft_q, rel=1e-6)
+                estimate[node] = estimate[parent] * costs.agreement(draft_q)
         assert drafted.expected == pytest.approx(sum(estimate.values()) - 1.0, rel=1e-6)
+
+
+def test_greedy_agreement_is_the_measured_share_shrunk_towards_q():
+    """RoundCosts.agreement(q): before anything is verified, q itself; then, per tenth of q, the decayed share of
+    verified children the target chose, shrunk towards q by AGREE_PRIOR tries' worth; bins never seen stay q."""
+    import random
+
+    from stree.draft import RoundCosts
+    costs = RoundCosts()
+    for q in (0.0, 0.05, 0.33, 0.999, 1.0):
+        assert costs.agreement(q) == pytest.approx(q)
+    coin, rounds = random.Random(0), []
+    for _ in range(300):
+        rounds.append([(coin.uniform(0.6, 0.7), coin.random() < 0.9) for _ in range(5)] +
+                      [(coin.uniform(0.2, 0.3), coin.random() < 0.4) for _ in range(3)])
+        costs.note_agreement(rounds[-1])
+
+    def shrunk_share(low, high, q):
+        hits = tries = 0.0
+        for verified in rounds:
+            hits, tries = costs.AGREE_MEMORY * hits, costs.AGREE_MEMORY * tries
+            for p, agreed in verified:
+                if low <= p < high:
+                    hits, tries = hits + agreed, tries + 1
+        return (costs.AGREE_PRIOR * q + hits) / (costs.AGREE_PRIOR + tries)
+
+    assert costs.agreement(0.65) == pytest.approx(shrunk_share(0.6, 0.7, 0.65), rel=1e-9)
+    assert costs.agreement(0.25) == pytest.approx(shrunk_share(0.2, 0.3, 0.25), rel=1e-9)
+    assert abs(costs.agreement(0.65) - 0.9) < 0.05 and abs(costs.agreement(0.25) - 0.4) < 0.07
+    assert costs.agreement(0.95) == pytest.approx(0.95)
 
 
 def test_level_acceptance_follows_verification():
@@ -259,6 +294,20 @@ def test_round_costs_keep_the_best_number_of_nodes():
         want_rate, want_k = brute_force_rate(costs, probs, 3)
         assert abs(rate - want_rate) < 1e-12 and (k == want_k or abs(
             (1 + costs.calibration * sum(probs[:k])) / costs.round_time(3, 1 + k) - want_rate) < 1e-12)
+
+
+def test_round_costs_split_drafting_into_levels_and_a_fixed_part():
+    """A round's drafting is a draft pass per level plus a fixed part (draft_round: the trunk, the last commit):
+    rounds of 3 passes whose levels after the first took 2 s each and whose drafting took 9 s teach draft = 2 and
+    draft_round = 3; a round of one pass leaves the per-level cost alone; round_time counts both."""
+    from stree.draft import RoundCosts
+    costs = RoundCosts(draft=5.0, verify=1.0)
+    for _ in range(200):
+        costs.update(9.0, 3, 4.0, 1.0, 1, 0.0, 0, 0.0)
+    assert costs.draft == pytest.approx(2.0) and costs.draft_round == pytest.approx(3.0)
+    costs.update(4.0, 1, 0.0, 1.0, 1, 0.0, 0, 0.0)
+    assert costs.draft == pytest.approx(2.0) and costs.draft_round == pytest.approx(3.0 + 0.2 * (2.0 - 3.0))
+    assert costs.round_time(4, 1) == pytest.approx(costs.draft_round + 4 * 2.0 + 1.0)
 
 
 def test_round_costs_interpolate_a_measured_pass_curve():

@@ -89,6 +89,44 @@ def record_trunks(monkeypatch):
     return trunks
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_greedy_adaptive_rounds_learn_agreement_from_every_verified_node(monkeypatch, on_device):
+    """Each greedy adaptive round hands RoundCosts.note_agreement one (q, agreed) pair per draft node it verified:
+    q the draft's probability of the node's token after its parent's path, agreed whether that token is the
+    target's greedy choice there, both decided by HF's own forwards over the whole context."""
+    import stree.decoding as decoding
+    from stree.draft import RoundCosts
+    target = without_eos(tiny_model("bamba", dtype=torch.float64, seed=3))
+    draft = noisy_copy(target, scale=0.05, seed=2)
+    monkeypatch.setattr(RoundCosts, "speculates", lambda self, context: True)
+    monkeypatch.setattr(decoding, "_calibrate", lambda costs, *args: RoundCosts(draft=1e-6, verify=1.0, step=1.0))
+    rounds, noted, original = [], [], decoding.draft_tree
+    monkeypatch.setattr(decoding, "draft_tree", lambda draft_model, trunk, spec, sampler, generated, *a: rounds.append(
+        (len(trunk), generated, original(draft_model, trunk, spec, sampler, generated, *a))) or rounds[-1][2])
+    monkeypatch.setattr(RoundCosts, "note_agreement", lambda self, verified: noted.append(list(verified)))
+    prompt = prompts([5], seed=7)[0]
+    spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)
+    out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=30, tree=spec, draft_on_device=on_device)
+    assert len(noted) >= 5 and len(rounds) - len(noted) in (0, 1)  # a last round that ends generation notes nothing
+    agreed_and_not = set()
+    for (trunk, generated, drafted), verified in zip(rounds, noted):
+        context, root = out[0, :prompt.shape[1] + generated].tolist(), trunk - 1
+        paths = {root: []}
+        for node in range(trunk, len(drafted.tokens)):
+            paths[node] = paths[drafted.parents[node]] + [drafted.tokens[node]]
+        want = []
+        for node in range(trunk, len(drafted.tokens)):
+            prefix = torch.tensor([context + paths[drafted.parents[node]]])
+            with torch.no_grad():
+                q = draft(prefix).logits[0, -1].softmax(-1)[drafted.tokens[node]]
+                choice = int(target(prefix).logits[0, -1].argmax())
+            want.append((float(q), choice == drafted.tokens[node]))
+        assert [a for _, a in verified] == [a for _, a in want]
+        assert [q for q, _ in verified] == pytest.approx([q for q, _ in want], rel=1e-6)
+        agreed_and_not.update(a for _, a in want)
+    assert agreed_and_not == {True, False}
+
+
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "jamba", "qwen3_next", "lfm2", "kimi_linear"])
 def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     """Adaptive rounds that take plain steps instead (the draft then catches up on several tokens in one pass, up to
