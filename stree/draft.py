@@ -395,9 +395,10 @@ def _greedy(growth, spec):
     """A greedy StaticTree / DynamicTree grown on the device: the trunk pass, then the levels
     (TreeModel.extend_on_device), each choosing the nodes to expand among the last level's children (a DynamicTree's
     `frontier` most probable paths, a StaticTree's all), feeding them and taking their top-k children, with no host
-    sync; a fixed tree's levels all in one call (compiled: one graph), the tree coming to the host in one copy at
-    the end; an adaptive tree's in one call each, each level coming to the host as it is drafted, to decide whether
-    another pays."""
+    sync, all in one call (compiled: one graph), the tree coming to the host in one copy at the end. An adaptive
+    tree first brings the root's children to the host and decides from them how many levels pay
+    (_levels_that_pay, extrapolating the later levels from the first), since a call a level would cost what a small
+    draft's level computes."""
     draft, plan, sampler, costs = growth.draft, _greedy_plan(spec), growth.sampler, _costs(growth, spec)
     trunk, root = len(growth.tokens), growth.root
     # first[level]: the draft's id of the first node expanded at that level (level 0: the root)
@@ -413,17 +414,13 @@ def _greedy(growth, spec):
     replay.levels.append(_top_children(sampler, plan[0][1], logits, (joint, None, generated)))
     levels = [(expand, root + level, _pick_children, functools.partial(_top_children, sampler, k),
                functools.partial(_level_args, expand)) for level, (expand, k) in enumerate(plan[1:], 1)]
-    if costs is None and levels:  # a fixed tree: every level in one call
+    if costs is not None and levels:  # adaptive: as many levels as the first one's estimates say pay
+        replay.pull()
+        levels = levels[:_levels_that_pay(costs, spec, *replay.decision(spec, costs), most=len(levels))]
+    if levels:  # every level in one call
         (R, depth, choose, then, args_of), *more = levels
         replay.levels += draft.extend_on_device(R, depth, choose, args_of(replay.levels[-1]), then, more=more)
         growth.passes += len(levels)
-    elif costs is not None:  # an adaptive tree: a call per level, while another pays
-        for R, depth, choose, then, args_of in levels:
-            replay.pull()
-            if not _level_pays(costs, spec, *replay.decision(spec, costs)):
-                break
-            replay.levels.append(draft.extend_on_device(R, depth, choose, args_of(replay.levels[-1]), then))
-            growth.passes += 1
     replay.pull()
     draft.settle([replay.settled])
     if isinstance(spec, StaticTree):
@@ -503,7 +500,7 @@ class _Replay:
         self.done = len(self.levels)
 
     def decision(self, spec, costs):
-        """_level_pays' arguments after the host has every level: (node estimates, root, the nodes the next level
+        """_levels_that_pay's arguments after the host has every level: (node estimates, root, the nodes the next level
         would expand, the mean agreement of each child rank at the last level, passes so far)."""
         expand = sorted(self.children, key=lambda n: -self.joint[n])[:spec.frontier]
         ratios = [sum(costs.agreement(math.exp(row[r])) for row in self.log_q) / len(self.log_q)
@@ -557,8 +554,8 @@ def _dynamic(growth, spec):
             room = spec.budget - (len(growth.tokens) - growth.root - 1)
             expand = expand[:room // spec.top_k]
         if not expand or (costs is not None and ratios is not None and
-                          not _level_pays(costs, spec, _estimates(costs, growth, joint), growth.root, expand, ratios,
-                                          growth.passes)):
+                          not _levels_that_pay(costs, spec, _estimates(costs, growth, joint), growth.root, expand,
+                                               ratios, growth.passes)):
             break
         children = growth.expand(expand, spec.top_k, spec.coverage)
         frontier, ratios = [], [0.0] * spec.top_k
@@ -592,18 +589,25 @@ def _costs(growth, spec):
     return growth.costs if adaptive else None
 
 
-def _level_pays(costs, spec, estimates, root, expand, ratios, passes):
-    """Whether drafting one more level raises the round's expected tokens per second (DynamicTree.adaptive).
+def _levels_that_pay(costs, spec, estimates, root, expand, ratios, passes, most=1):
+    """How many more levels (at most `most`) raise the round's expected tokens per second, each in turn
+    (DynamicTree.adaptive).
 
     estimates: {node: estimated chance of acceptance} (RoundCosts) below the root. The next level's nodes would be
     the children of `expand`: child j of a node of estimate p is estimated at p times the mean estimate of the
-    j-th child at the last level given its parent (`ratios`). The best tree of the nodes so far (costs.best_rate:
-    the most likely nodes, as many as pay for their share of the target pass) is compared with the best tree of
-    those plus the estimated children, one draft pass dearer."""
+    j-th child at the last level given its parent (`ratios`); a level after that, the children of the `frontier`
+    likeliest of those, the same way. A level pays when the best tree of the nodes so far and its estimated
+    children (costs.best_rate: the likeliest nodes, as many as pay for their share of the target pass), one draft
+    pass dearer, promises more than the best tree without them."""
     probs = sorted((p for n, p in estimates.items() if n != root), reverse=True)[:spec.budget]
-    estimated = [estimates.get(n, 1.0) * r for n in expand for r in ratios]
-    grown = sorted(probs + estimated, reverse=True)[:spec.budget]
-    return costs.best_rate(grown, passes + 1)[0] > costs.best_rate(probs, passes)[0]
+    frontier = [estimates.get(n, 1.0) for n in expand]
+    for levels in range(most):
+        estimated = sorted((p * r for p in frontier for r in ratios), reverse=True)
+        grown = sorted(probs + estimated, reverse=True)[:spec.budget]
+        if costs.best_rate(grown, passes + levels + 1)[0] <= costs.best_rate(probs, passes + levels)[0]:
+            return levels
+        probs, frontier = grown, estimated[:spec.frontier]
+    return most
 
 
 def _beam(growth, spec):

@@ -296,6 +296,25 @@ def test_round_costs_keep_the_best_number_of_nodes():
             (1 + costs.calibration * sum(probs[:k])) / costs.round_time(3, 1 + k) - want_rate) < 1e-12)
 
 
+def test_levels_that_pay_extrapolate_the_first_level():
+    """An adaptive tree grown on the device decides after the root's children how many levels follow: a chain whose
+    every child is estimated at r times its parent gains r^(i+1) tokens at level i for one draft pass more, so
+    the number of levels is the one that maximises (1 + r + ... + r^(L+1)) / (round + (1 + L)·draft + verify),
+    written out here over every L."""
+    from stree.draft import RoundCosts, _levels_that_pay
+    spec = DynamicTree(budget=16, depth=8, top_k=1, frontier=1, adaptive=True)
+    seen = set()
+    for r in (0.3, 0.6, 0.8, 0.9, 0.97):
+        for draft in (0.01, 0.05, 0.1, 0.3, 1.0):
+            costs = RoundCosts(draft=draft, draft_round=0.2, verify=1.0)
+            rate = [sum(r ** i for i in range(L + 2)) / (0.2 + (1 + L) * draft + 1.0) for L in range(8)]
+            want = max(range(8), key=lambda L: rate[L])
+            got = _levels_that_pay(costs, spec, {1: r}, 0, [1], [r], passes=1, most=7)
+            assert got == want, (r, draft)
+            seen.add(want)
+    assert {0, 7} < seen and len(seen) >= 4
+
+
 def test_round_costs_split_drafting_into_levels_and_a_fixed_part():
     """A round's drafting is a draft pass per level plus a fixed part (draft_round: the trunk, the last commit):
     rounds of 3 passes whose levels after the first took 2 s each and whose drafting took 9 s teach draft = 2 and

@@ -150,8 +150,8 @@ def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     ("jamba", stree.DynamicTree(adaptive=True)), ("lfm2", stree.DynamicTree(budget=9, depth=4))])
 def test_trees_grown_on_the_device_equal_hf_greedy(family, tree):
     """Greedy trees chosen level by level on the device (the default on accelerators, here on the CPU) give HF's
-    greedy output, with one copy to the host per round for drafting (adaptive trees: one per level drafted)
-    besides verification's."""
+    greedy output, with one copy to the host per round for drafting (adaptive trees: one, or two when the root's
+    children say that more levels pay; a round may draft and keep nothing) besides verification's."""
     target = without_eos(tiny_model(family, dtype=torch.float64))
     draft = noisy_copy(target, scale=0.01, seed=1)
     for prompt in prompts([1, 9]):
