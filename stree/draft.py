@@ -161,9 +161,10 @@ class RoundCosts:
         self.level_tries = self.PACE_MEMORY * self.level_tries + accepted + bool(stopped)
 
     # Greedy agreement: how often the target's argmax is a child the draft gave probability q, by tenths of q. The
-    # draft's probability itself underestimates it wherever the draft is fairly sure (measured on the bundled pair:
-    # q 0.6-0.7 agreed 91% of the time, 0.2-0.3 40%), and a path multiplies the gap: depth-6 nodes were accepted
-    # 2.4x as often as their path probability said, depth-1 nodes 1.2x, which no single calibration factor fixes.
+    # draft's probability itself underestimates it wherever the draft is not sure (the bundled pair, held-out
+    # prompts, benchmarks/tree_policy.py: q 0.05-0.1 chosen 20% of the time, 0.3-0.4 69%), and a path compounds the
+    # gap: depth-5 nodes were accepted 3.9x as often as their path probability said, depth-1 nodes 1.8x, which no
+    # single calibration factor fixes.
     AGREE_BINS = 10
     AGREE_PRIOR = 2.0     # tries' worth of the draft's own probability in every bin
     AGREE_MEMORY = 0.99   # weight of the counts so far when a round's nodes come in
@@ -638,16 +639,18 @@ _GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}  # level b
 
 
 def grows_on_device(device, compiled):
-    """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes)
-    rather than level by level on the host: only on CUDA with `compiled` draft passes (TreeModel.compile: CUDA
-    graphs), where a level's choice, feed and scores replay as graphs and a copy to the host would wait for them
-    (not yet measured against host drafting there: benchmarks/gpu.py's compiled step does).
-    Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (measured, the
-    bundled pair in bf16 on an H200, benchmarks/generate.py --both-drafting: DynamicTree(16) 1.52x HF generate
-    drafted on the host against 1.28x on the device, drafting 12.1 against 15.5 ms a round; on a CPU, fp32, eager
-    +13-18% drafting a round on the device, compiled the same within noise). Other accelerators draft on the host
-    (unmeasured)."""
-    return torch.device(device).type == "cuda" and compiled
+    """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes, a
+    round's levels in one call) rather than level by level on the host: only with `compiled` draft passes
+    (TreeModel.compile), on a CPU or CUDA, where every compiled call costs its guards and wrappers whatever it
+    computes (about what a small draft's level computes) and on CUDA a copy to the host would wait for the graphs
+    queued before it. Measured on a CPU (the bundled pair, fp32, benchmarks/generate.py --compile --both-drafting,
+    two runs): the adaptive default 3.20x / 3.45x HF generate drafted on the device against 2.74x / 2.88x on the
+    host, DynamicTree(16) 3.47x against 3.06x; on CUDA not yet against the host (benchmarks/gpu.py's compiled step).
+    Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (the bundled
+    pair in bf16 on an H200: DynamicTree(16) 1.52x HF generate drafted on the host against 1.28x on the device,
+    drafting 12.1 against 15.5 ms a round; on a CPU, fp32, +13-18% drafting a round on the device). Other
+    accelerators draft on the host (unmeasured)."""
+    return torch.device(device).type in ("cpu", "cuda") and compiled
 
 
 def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):
@@ -660,7 +663,7 @@ def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=Non
     """
     growth = _Growth(draft, trunk, sampler, generated, generator, costs)
     if on_device is None:
-        on_device = grows_on_device(draft.device, draft._compiled)
+        on_device = grows_on_device(draft.device, draft.compiled)
     if on_device and sampler.greedy and not isinstance(spec, BeamTree):
         return _greedy(growth, spec)
     return _GROW[type(spec)](growth, spec)

@@ -353,7 +353,9 @@ def test_compiled_passes_follow_the_models_train_eval_mode():
 def test_fixed_shape_compiled_passes_equal_hf():
     """compile= runs every pass through torch.compile (here the aot_eager backend: dynamo's
     tracing and functionalisation without inductor's C++ build, to keep the test fast): greedy output equal to HF,
-    the traced graphs reused across calls (no recompilation for a second prompt), and sampling still runs."""
+    the traced graphs reused across calls (no recompilation for a second prompt), and sampling still runs. The
+    adaptive default drafted on the device (the default for compiled passes) adds at most a graph per number of
+    levels a round grows in one call."""
     import torch._dynamo
     target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=2))
     draft = noisy_copy(target, 0.02, 1)
@@ -362,7 +364,8 @@ def test_fixed_shape_compiled_passes_equal_hf():
     counts = torch._dynamo.utils.counters
     counts.clear()  # reset() leaves the counters of earlier tests
     for prompt in prompts([5, 9], seed=3):
-        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options)
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options,
+                             draft_on_device=False)
         assert torch.equal(out, hf_greedy(target, prompt, 24))
         if prompt.shape[1] == 5:
             frames = counts["stats"]["unique_graphs"]
@@ -370,6 +373,10 @@ def test_fixed_shape_compiled_passes_equal_hf():
     # with and without a commit to run first (a first pass after a prefill has none, nor do extend passes).
     assert 4 <= frames <= 8
     assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
+    for prompt in prompts([5, 9, 7], seed=3):
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options)
+        assert torch.equal(out, hf_greedy(target, prompt, 24))
+    assert counts["stats"]["unique_graphs"] <= frames + stree.DynamicTree().depth - 1
     sampled = stree.generate(target, prompts([4])[0], draft_model=draft, max_new_tokens=16, temperature=1.0,
                              compile=options, generator=torch.Generator().manual_seed(0))
     assert sampled.shape == (1, 20)

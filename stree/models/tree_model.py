@@ -283,6 +283,11 @@ class TreeModel:
         self._compiled = True
         return self
 
+    @property
+    def compiled(self):
+        """Whether compile() has made this model's passes torch.compile'd."""
+        return self._compiled
+
     @torch.no_grad()
     def tree_forward(self, tokens, parents, *, logits_for=None, slots=None):
         """Logits (batch, T, vocab) of every node of a tree on top of the committed sequence, in one pass.
