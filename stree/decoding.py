@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft import DynamicTree, RoundCosts, draft_tree, tree_shapes, tree_spec
+from .draft import DynamicTree, RoundCosts, draft_tree, grows_on_device, tree_shapes, tree_spec
 from .models import TreeModel
 from .sampling import Sampler, sample
 from .verify import verify_greedy, verify_sampling
@@ -138,7 +138,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             per model and tree shape pays the compilation (tens of seconds on a CPU); later calls reuse it. Off by
             default: see the README for when it pays.
         draft_on_device: grow greedy static and dynamic trees on the device, with one copy to the host per round
-            (adaptive trees: two, the root's children deciding how many levels follow) instead of one per draft
+            (adaptive trees: two when more levels follow the root's children, which decide how many) instead of one per draft
             pass; fixed trees are the same as on the host but for exact ties and node order, adaptive trees may
             differ in depth (on the host each level decides on the next). None = with compiled passes on a CPU or
             CUDA, else not (stree.draft.grows_on_device says why).
@@ -212,7 +212,10 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     costs = None  # what adaptive trees decide their size with: kept on the target across calls
     if not done and adaptive:
         kept = model.__dict__.setdefault("_stree_costs", {})
-        key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy)  # acceptance differs
+        # acceptance differs by dtype and sampling; a level drafted on the device costs what a call spread over
+        # several levels costs, not what a host level costs
+        on_device = grows_on_device(draft.device, draft.compiled) if draft_on_device is None else draft_on_device
+        key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy, sampler.greedy and on_device)
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
                 kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, spec.frontier, root)

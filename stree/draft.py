@@ -178,7 +178,9 @@ class RoundCosts:
     def note_agreement(self, verified):
         """Fold in one greedy verification: (q, agreed) per verified draft node, q its draft probability given its
         parent, agreed whether the target's argmax after its parent is its token (whether or not the parent was
-        accepted)."""
+        accepted). A round that verified no draft node changes nothing."""
+        if not verified:
+            return
         self.agree_hits = [self.AGREE_MEMORY * h for h in self.agree_hits]
         self.agree_tries = [self.AGREE_MEMORY * t for t in self.agree_tries]
         for q, agreed in verified:
@@ -222,10 +224,14 @@ class RoundCosts:
         draft's expectation for the tree it sent."""
         mix = 1.0 - self.decay
         if passes > 1:
-            self.draft += mix * (_bounded(level_seconds / (passes - 1), self.draft) - self.draft)
+            level = level_seconds / (passes - 1)
+        else:  # one pass alone cannot be split: still follow it, so that a dear first estimate comes down
+            level = max(0.0, draft_seconds - self.draft_round)
         if passes:
+            self.draft += mix * (_bounded(level, self.draft) - self.draft)
             fixed = max(0.0, draft_seconds - passes * self.draft)
-            self.draft_round += mix * (_bounded(fixed, self.draft_round) - self.draft_round)
+            # bounded by a pass's cost until it has an estimate of its own: a first round that compiles must not count
+            self.draft_round += mix * (_bounded(fixed, self.draft_round or self.draft) - self.draft_round)
         base = self.target_time(nodes)
         self.verify += mix * (_bounded(verify_seconds, base) - base)  # drift goes to the base
         self.other += mix * (_bounded(other_seconds, self.other) - self.other)

@@ -319,15 +319,20 @@ def test_levels_that_pay_extrapolate_the_first_level():
 def test_round_costs_split_drafting_into_levels_and_a_fixed_part():
     """A round's drafting is a draft pass per level plus a fixed part (draft_round: the trunk, the last commit):
     rounds of 3 passes whose levels after the first took 2 s each and whose drafting took 9 s teach draft = 2 and
-    draft_round = 3; a round of one pass leaves the per-level cost alone; round_time counts both."""
+    draft_round = 3; a round of one pass (4 s) counts as a pass of 4 - draft_round; round_time counts both. The
+    first fixed part is bounded by twice a pass (a first round that compiles must not steer the model)."""
     from stree.draft import RoundCosts
     costs = RoundCosts(draft=5.0, verify=1.0)
     for _ in range(200):
         costs.update(9.0, 3, 4.0, 1.0, 1, 0.0, 0, 0.0)
     assert costs.draft == pytest.approx(2.0) and costs.draft_round == pytest.approx(3.0)
     costs.update(4.0, 1, 0.0, 1.0, 1, 0.0, 0, 0.0)
-    assert costs.draft == pytest.approx(2.0) and costs.draft_round == pytest.approx(3.0 + 0.2 * (2.0 - 3.0))
-    assert costs.round_time(4, 1) == pytest.approx(costs.draft_round + 4 * 2.0 + 1.0)
+    draft = 2.0 + 0.2 * ((4.0 - 3.0) - 2.0)
+    assert costs.draft == pytest.approx(draft) and costs.draft_round == pytest.approx(3.0 + 0.2 * (4.0 - draft - 3.0))
+    assert costs.round_time(4, 1) == pytest.approx(costs.draft_round + 4 * draft + 1.0)
+    stalled = RoundCosts(draft=1.0, verify=1.0)
+    stalled.update(100.0, 1, 0.0, 1.0, 1, 0.0, 0, 0.0)
+    assert stalled.draft == pytest.approx(1.2) and stalled.draft_round == pytest.approx(0.2 * 2 * 1.2)
 
 
 def test_round_costs_interpolate_a_measured_pass_curve():

@@ -136,7 +136,7 @@ def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)  # a pass adds <= 4 nodes
     trunks = record_trunks(monkeypatch)
     random_pacing(monkeypatch, seed=0)
-    for prompt in prompts([1, 9]):
+    for prompt in prompts([1, 9, 4]):
         got, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=60, tree=spec,
                                     return_stats=True)
         assert torch.equal(got, hf_greedy(target, prompt, 60))
@@ -149,7 +149,7 @@ def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     ("qwen3_next", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2)),
     ("jamba", stree.DynamicTree(adaptive=True)), ("lfm2", stree.DynamicTree(budget=9, depth=4))])
 def test_trees_grown_on_the_device_equal_hf_greedy(family, tree):
-    """Greedy trees chosen level by level on the device (the default on accelerators, here on the CPU) give HF's
+    """Greedy trees chosen level by level on the device (the default for compiled passes; here eager) give HF's
     greedy output, with one copy to the host per round for drafting (adaptive trees: one, or two when the root's
     children say that more levels pay; a round may draft and keep nothing) besides verification's."""
     target = without_eos(tiny_model(family, dtype=torch.float64))
@@ -161,7 +161,7 @@ def test_trees_grown_on_the_device_equal_hf_greedy(family, tree):
         speculative = sum(size > 1 for size in stats.tree_sizes)
         drafting = stats.transfers - 1 - stats.rounds  # the prefill's pick, one verification per round
         assert drafting == speculative if not getattr(tree, "adaptive", False) else \
-            speculative <= drafting <= stats.draft_passes
+            speculative <= drafting <= min(stats.draft_passes, 2 * stats.rounds)
 
 
 @pytest.mark.parametrize("family, compile", [("bamba", False), ("mamba2", {"backend": "aot_eager"})])
@@ -376,7 +376,7 @@ def test_fixed_shape_compiled_passes_equal_hf():
     for prompt in prompts([5, 9, 7], seed=3):
         out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options)
         assert torch.equal(out, hf_greedy(target, prompt, 24))
-    assert counts["stats"]["unique_graphs"] <= frames + stree.DynamicTree().depth - 1
+    assert frames < counts["stats"]["unique_graphs"] <= frames + stree.DynamicTree().depth - 1
     sampled = stree.generate(target, prompts([4])[0], draft_model=draft, max_new_tokens=16, temperature=1.0,
                              compile=options, generator=torch.Generator().manual_seed(0))
     assert sampled.shape == (1, 20)
