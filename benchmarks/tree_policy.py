@@ -16,6 +16,7 @@ adaptive tree's greedy estimates are built on.
 
     python benchmarks/tree_policy.py                      # the bundled pair, float32, 8 prompts x 128 tokens
     python benchmarks/tree_policy.py --dtype bfloat16
+    python benchmarks/tree_policy.py --costs benchmarks/results/tree-policy-cpu-float32.json   # the same costs
 """
 import argparse
 import json
@@ -171,7 +172,8 @@ def run_tree(target, draft, prompts, label, spec, on_device, costs, new_tokens):
     finally:
         decoding._calibrate = original
     return dict(modelled_s=modelled, real_s=real, tokens=tokens, rounds=rounds, draft_passes=passes, nodes=nodes,
-                agreement=[frozen.agreement((b + 0.5) / frozen.AGREE_BINS) for b in range(frozen.AGREE_BINS)]
+                agreement={low: frozen.agreement((low + high) / 2) for low, high in
+                           zip(frozen.AGREE_EDGES, frozen.AGREE_EDGES[1:] + (1.0,))}
                 if getattr(spec, "adaptive", False) else None), recorder.rounds
 
 
@@ -182,6 +184,9 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--calibrations", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--costs", default=None, metavar="JSON",
+                        help="reuse the frozen costs of an earlier run's JSON instead of measuring them: the same "
+                        "figures then compare two versions of the code exactly")
     parser.add_argument("--out", default=None, help="JSON path (default: results/tree-policy-cpu-<dtype>.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -193,7 +198,12 @@ def main():
     print(f"device: cpu ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}; "
           f"the bundled pair, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy")
 
-    costs = measure_costs(target, draft, prompts[:3], args.calibrations, 64)
+    if args.costs:
+        with open(args.costs) as f:
+            kept = json.load(f)["costs"]
+        costs = FrozenCosts(**{**kept, "verify_curve": tuple(map(tuple, kept["verify_curve"]))})
+    else:
+        costs = measure_costs(target, draft, prompts[:3], args.calibrations, 64)
     curve = ", ".join(f"{n}: {1e3 * (costs.verify + s):.2f}" for n, s in costs.verify_curve)
     print(f"frozen costs (ms): draft level {1e3 * costs.draft:.2f}, a round's drafting beyond its levels "
           f"{1e3 * costs.draft_round:.2f}, target pass by nodes {{{curve}}}, rest of a round {1e3 * costs.other:.2f}")

@@ -235,7 +235,7 @@ def test_adaptive_trees_estimate_nodes_by_measured_acceptance(sampled, on_device
 
 
 def test_greedy_agreement_is_the_measured_share_shrunk_towards_q():
-    """RoundCosts.agreement(q): before anything is verified, q itself; then, per tenth of q, the decayed share of
+    """RoundCosts.agreement(q): before anything is verified, q itself; then, per bin of q, the decayed share of
     verified children the target chose, shrunk towards q by AGREE_PRIOR tries' worth; bins never seen stay q."""
     import random
 
@@ -262,6 +262,10 @@ def test_greedy_agreement_is_the_measured_share_shrunk_towards_q():
     assert costs.agreement(0.25) == pytest.approx(shrunk_share(0.2, 0.3, 0.25), rel=1e-9)
     assert abs(costs.agreement(0.65) - 0.9) < 0.05 and abs(costs.agreement(0.25) - 0.4) < 0.07
     assert costs.agreement(0.95) == pytest.approx(0.95)
+    low = RoundCosts()  # the lowest tenth is split at 0.02 and 0.05: each part learns its own share
+    for _ in range(100):
+        low.note_agreement([(0.01, False), (0.03, True), (0.04, False), (0.07, True)])
+    assert low.agreement(0.015) < 0.02 and abs(low.agreement(0.035) - 0.5) < 0.02 and low.agreement(0.09) > 0.95
 
 
 def test_level_acceptance_follows_verification():
