@@ -381,6 +381,8 @@ def test_adaptive_trees_follow_their_costs(draft_cost, verify_node, depth_at_mos
     drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=on_device)
     kept = drafted_paths(drafted, 1)
     assert drafted.passes <= depth_at_most and len(kept) >= min(nodes_at_least, 9)
+    if depth_at_most == 1:  # the root's children only: one copy to the host, no level after the first to time
+        assert drafted.passes == drafted.transfers == 1 and drafted.level_seconds == 0.0
     if verify_node >= 10:
         assert len(kept) <= 1
     fixed = reference_dynamic(model, prompt[0].tolist() + [5], DynamicTree(budget=9, depth=drafted.passes, top_k=3,
