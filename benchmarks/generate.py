@@ -224,7 +224,7 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--both-drafting", action="store_true",
                         help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
-                        "(draft_on_device: on the device with compiled passes on a CPU or GPU, else on the host)")
+                        "(draft_on_device: on the device with compiled passes on a GPU, else on the host)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then one more run of each stree method under cProfile: its N functions with the most "
                         "own time per round (printed and in the JSON rows' 'profile')")

@@ -140,8 +140,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         draft_on_device: grow greedy static and dynamic trees on the device, with one copy to the host per round
             (adaptive trees: two when more levels follow the root's children, which decide how many) instead of one per draft
             pass; fixed trees are the same as on the host but for exact ties and node order, adaptive trees may
-            differ in depth (on the host each level decides on the next). None = with compiled passes on a CPU or
-            CUDA, else not (stree.draft.grows_on_device says why).
+            differ in depth (on the host each level decides on the next). None = on CUDA with compiled passes,
+            else not (stree.draft.grows_on_device says why).
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 

@@ -648,17 +648,18 @@ _GROW = {StaticTree: _static, DynamicTree: _dynamic, BeamTree: _beam}  # level b
 
 def grows_on_device(device, compiled):
     """Whether greedy static and dynamic trees are grown on `device` (_greedy: no host sync between draft passes, a
-    round's levels in one call) rather than level by level on the host: only with `compiled` draft passes
-    (TreeModel.compile), on a CPU or CUDA, where every compiled call costs its guards and wrappers whatever it
-    computes (about what a small draft's level computes) and on CUDA a copy to the host would wait for the graphs
-    queued before it. Measured on a CPU (the bundled pair, fp32, benchmarks/generate.py --compile --both-drafting,
-    two runs): the adaptive default 3.20x / 3.45x HF generate drafted on the device against 2.74x / 2.88x on the
-    host, DynamicTree(16) 3.47x against 3.06x; on CUDA not yet against the host (benchmarks/gpu.py's compiled step).
-    Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (the bundled
+    round's levels in one call) rather than level by level on the host: only on CUDA with `compiled` draft passes
+    (TreeModel.compile: CUDA graphs), where every compiled call costs its guards and wrappers whatever it computes
+    (about what a small draft's level computes) and a copy to the host would wait for the graphs queued before it
+    (not yet measured against the host path there: benchmarks/gpu.py's compiled step does). On a CPU, compiled, the
+    measurements disagree (the bundled pair, fp32, benchmarks/generate.py --compile --both-drafting): the adaptive
+    default gave 3.20x / 3.45x HF generate drafted on the device against 2.74x / 2.88x on the host in two runs where
+    both ways shared one cost model, then 2.51x against 3.13x once each kept its own; DynamicTree(16) 3.47x against
+    3.06x (one run). So a CPU drafts on the host. Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (the bundled
     pair in bf16 on an H200: DynamicTree(16) 1.52x HF generate drafted on the host against 1.28x on the device,
     drafting 12.1 against 15.5 ms a round; on a CPU, fp32, +13-18% drafting a round on the device). Other
     accelerators draft on the host (unmeasured)."""
-    return torch.device(device).type in ("cpu", "cuda") and compiled
+    return torch.device(device).type == "cuda" and compiled
 
 
 def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):
