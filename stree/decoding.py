@@ -138,10 +138,10 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             per model and tree shape pays the compilation (tens of seconds on a CPU); later calls reuse it. Off by
             default: see the README for when it pays.
         draft_on_device: grow greedy static and dynamic trees on the device, with one copy to the host per round
-            (adaptive trees: two when more levels follow the root's children, which decide how many) instead of one per draft
-            pass; fixed trees are the same as on the host but for exact ties and node order, adaptive trees may
-            differ in depth (on the host each level decides on the next). None = on CUDA with compiled passes,
-            else not (stree.draft.grows_on_device says why).
+            (adaptive trees: two when more levels follow the root's children, which decide how many) instead of
+            one per draft pass; fixed trees are the same as on the host but for exact ties and node order,
+            adaptive trees may differ in depth (on the host each level decides on the next). None = on CUDA with
+            compiled passes, else not (stree.draft.grows_on_device says why).
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
 
@@ -205,6 +205,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             if draft_model is not None:
                 draft = _tree_model(draft_model, compile, draft_nodes, draft_width)
                 draft.prefill(input_ids, max_length=max_length)
+                if draft_on_device is None:
+                    draft_on_device = grows_on_device(draft.device, draft.compiled)
         done = emit([root])
         trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree
     while not done and draft_model is None:  # stree's own autoregressive decoding: one node per pass
@@ -214,8 +216,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         kept = model.__dict__.setdefault("_stree_costs", {})
         # acceptance differs by dtype and sampling; a level drafted on the device costs what a call spread over
         # several levels costs, not what a host level costs
-        on_device = grows_on_device(draft.device, draft.compiled) if draft_on_device is None else draft_on_device
-        key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy, sampler.greedy and on_device)
+        key = (id(draft_model), spec, bool(compile), str(model.dtype), sampler.greedy,
+               sampler.greedy and draft_on_device)
         if key not in kept:
             with clock("prefill_time"):  # setup, not decoding
                 kept[key] = _calibrate(RoundCosts(), target, draft, target_nodes, spec.frontier, root)

@@ -171,10 +171,13 @@ class RoundCosts:
     AGREE_PRIOR = 2.0     # tries' worth of the draft's own probability in every bin
     AGREE_MEMORY = 0.99   # weight of the counts so far when a round's nodes come in
 
+    def _agree_bin(self, q):
+        return max(bisect.bisect_right(self.AGREE_EDGES, q) - 1, 0)
+
     def agreement(self, q):
         """The estimated chance that the target's greedy choice after a node is its child of draft probability q:
         the child's bin's measured share, shrunk towards q itself (AGREE_PRIOR tries' worth; q with no counts)."""
-        b = max(bisect.bisect_right(self.AGREE_EDGES, q) - 1, 0)
+        b = self._agree_bin(q)
         return (self.AGREE_PRIOR * q + self.agree_hits[b]) / (self.AGREE_PRIOR + self.agree_tries[b])
 
     def note_agreement(self, verified):
@@ -186,7 +189,7 @@ class RoundCosts:
         self.agree_hits = [self.AGREE_MEMORY * h for h in self.agree_hits]
         self.agree_tries = [self.AGREE_MEMORY * t for t in self.agree_tries]
         for q, agreed in verified:
-            b = max(bisect.bisect_right(self.AGREE_EDGES, q) - 1, 0)
+            b = self._agree_bin(q)
             self.agree_hits[b] += bool(agreed)
             self.agree_tries[b] += 1.0
 
@@ -655,10 +658,10 @@ def grows_on_device(device, compiled):
     measurements disagree (the bundled pair, fp32, benchmarks/generate.py --compile --both-drafting): the adaptive
     default gave 3.20x / 3.45x HF generate drafted on the device against 2.74x / 2.88x on the host in two runs where
     both ways shared one cost model, then 2.51x against 3.13x once each kept its own; DynamicTree(16) 3.47x against
-    3.06x (one run). So a CPU drafts on the host. Eager, the device path's extra launches cost more than the syncs they save, on a GPU as on a CPU (the bundled
-    pair in bf16 on an H200: DynamicTree(16) 1.52x HF generate drafted on the host against 1.28x on the device,
-    drafting 12.1 against 15.5 ms a round; on a CPU, fp32, +13-18% drafting a round on the device). Other
-    accelerators draft on the host (unmeasured)."""
+    3.06x (one run). So a CPU drafts on the host. Eager, the device path's extra launches cost more than the syncs
+    they save, on a GPU as on a CPU (the bundled pair in bf16 on an H200: DynamicTree(16) 1.52x HF generate
+    drafted on the host against 1.28x on the device, drafting 12.1 against 15.5 ms a round; on a CPU, fp32,
+    +13-18% drafting a round on the device). Other accelerators draft on the host (unmeasured)."""
     return torch.device(device).type == "cuda" and compiled
 
 
