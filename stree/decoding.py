@@ -275,7 +275,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             if sampler.greedy:  # every verified node tells how often the target agrees with a draft probability
                 costs.note_agreement([(drafted.draft_q[n + offset], greedy[parents[n]] == tokens[n])
                                       for n in range(1, len(tokens))])
-            costs.note_round(context, len(accepted), round_s)
+            costs.note_round(context, len(accepted), round_s, costs.round_time(drafted.passes, len(tokens)))
             hit, steps = len(accepted) > 1, 0
     if streamer is not None:
         streamer.end()

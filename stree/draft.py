@@ -264,11 +264,15 @@ class RoundCosts:
         tokens, seconds = tokens + prior * pooled[1], seconds + prior * pooled[2]
         return tokens * self.step >= seconds
 
-    def note_round(self, context, tokens, seconds):
-        """Fold in a speculative round started in `context` that emitted `tokens` in `seconds`."""
+    def note_round(self, context, tokens, seconds, estimate=0.0):
+        """Fold in a speculative round started in `context` that emitted `tokens` in `seconds`; estimate: the cost
+        model's seconds for it (round_time of its passes and nodes), which caps the sample at twice it (else the
+        pooled mean does, once there is one). A compiled generate's first rounds compile (seconds each, measured:
+        1.3 s and 5.4 s on the bundled pair) and come before any pooled figure: uncapped, they made every context
+        look dear for the rest of the call, and the adaptive tree took plain steps at 0.9x a fixed tree's speed."""
         pooled = self.paced.get(None)
-        if pooled is not None:
-            seconds = _bounded(seconds, pooled[2] / pooled[0])
+        if estimate > 0.0 or pooled is not None:
+            seconds = _bounded(seconds, estimate if estimate > 0.0 else pooled[2] / pooled[0])
         for key in (context, None):
             seen = self.paced.setdefault(key, [0.0, 0.0, 0.0])  # weight, weighted tokens, weighted seconds
             for i, value in enumerate((1.0, tokens, seconds)):

@@ -422,3 +422,21 @@ def test_pacing_follows_measured_rates_and_retries_contexts():
     for _ in range(10):
         slow.note_step((False, 0), seconds=5.0)  # steps got dearer than rounds: rounds pay again
     assert slow.speculates((False, 0)) and slow.speculates((True, 0))
+
+
+def test_pacing_caps_stalled_rounds_at_twice_the_modelled_time():
+    """A round that stalls (a compiled generate's first rounds compile: seconds each) counts as at most twice the
+    cost model's estimate for it, even as the first round of all, so that it does not make speculation look dear
+    for the rest of the call; without an estimate the pooled mean caps it, as before."""
+    from stree.draft import RoundCosts
+    costs = RoundCosts(step=1.0)
+    costs.note_round((True, 0), tokens=3, seconds=1000.0, estimate=1.0)    # stalled: counts as 2 s
+    assert costs.paced[None][2] == pytest.approx(2.0)
+    assert costs.speculates((True, 0))                                    # 3 tokens in 2 s beat a 1 s step
+    costs.note_round((True, 0), tokens=3, seconds=1.5, estimate=1.0)      # under the cap: counted as it is
+    assert costs.paced[None][2] == pytest.approx(0.95 * 2.0 + 1.5)
+    uncapped = RoundCosts(step=1.0)
+    uncapped.note_round((True, 0), tokens=3, seconds=1000.0)              # no estimate, no pooled mean yet
+    assert not uncapped.speculates((True, 0))
+    uncapped.note_round((True, 0), tokens=3, seconds=5000.0)              # capped by the pooled mean, 1000 s
+    assert uncapped.paced[None][2] == pytest.approx(0.95 * 1000.0 + 2000.0)

@@ -127,6 +127,26 @@ def test_greedy_adaptive_rounds_learn_agreement_from_every_verified_node(monkeyp
     assert agreed_and_not == {True, False}
 
 
+def test_pacing_hears_each_round_with_its_modelled_time(monkeypatch):
+    """generate hands RoundCosts.note_round each speculative round's modelled seconds (round_time of its draft
+    passes and verified nodes), which caps a stalled round's sample (test_draft's pacing tests)."""
+    import stree.decoding as decoding
+    from stree.draft import RoundCosts
+    target = without_eos(tiny_model("mamba2", dtype=torch.float64, seed=3))
+    draft = noisy_copy(target, scale=0.05, seed=2)
+    rounds, heard, original = [], [], decoding.draft_tree
+    monkeypatch.setattr(decoding, "draft_tree", lambda draft_model, trunk, *a: rounds.append(
+        (len(trunk), original(draft_model, trunk, *a))) or rounds[-1][1])
+    note_round = RoundCosts.note_round
+    monkeypatch.setattr(RoundCosts, "note_round", lambda self, context, tokens, seconds, estimate=0.0: heard.append(
+        (estimate, self.round_time(rounds[-1][1].passes, len(rounds[-1][1].tokens) - rounds[-1][0] + 1))) or
+        note_round(self, context, tokens, seconds, estimate))
+    stree.generate(target, prompts([5], seed=7)[0], draft_model=draft, max_new_tokens=30,
+                   tree=stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True))
+    assert len(heard) >= 3
+    assert all(estimate > 0.0 and estimate == pytest.approx(modelled) for estimate, modelled in heard)
+
+
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "jamba", "qwen3_next", "lfm2", "kimi_linear"])
 def test_paced_rounds_equal_hf_greedy(family, monkeypatch):
     """Adaptive rounds that take plain steps instead (the draft then catches up on several tokens in one pass, up to
