@@ -197,14 +197,24 @@ class RoundCosts:
     def known(self):
         return self.draft > 0.0
 
-    def target_time(self, nodes):
-        """Seconds of a target pass of `nodes` nodes: piecewise linear between the verify_curve's sizes (the last
-        segment's slope beyond them), or verify + verify_node·nodes with fewer than two measured sizes."""
+    def target_times(self, most):
+        """Seconds of a target pass of 1, 2, ..., `most` nodes: piecewise linear between the verify_curve's sizes
+        (the first segment's slope below them, the last's beyond), or verify + verify_node·nodes with fewer than
+        two measured sizes. (One walk over the curve: best_rate needs every size, several times a round.)"""
         curve = self.verify_curve
         if len(curve) < 2:
-            return self.verify + self.verify_node * nodes
-        (n0, s0), (n1, s1) = next((pair for pair in zip(curve, curve[1:]) if nodes <= pair[1][0]), curve[-2:])
-        return self.verify + s0 + (s1 - s0) * (nodes - n0) / (n1 - n0)
+            return [self.verify + self.verify_node * n for n in range(1, most + 1)]
+        times, segment = [], 0
+        for n in range(1, most + 1):
+            while segment + 2 < len(curve) and n > curve[segment + 1][0]:
+                segment += 1
+            (n0, s0), (n1, s1) = curve[segment], curve[segment + 1]
+            times.append(self.verify + s0 + (s1 - s0) * (n - n0) / (n1 - n0))
+        return times
+
+    def target_time(self, nodes):
+        """Seconds of a target pass of `nodes` >= 1 nodes (target_times)."""
+        return self.target_times(nodes)[-1]
 
     def round_time(self, passes, nodes):
         """Seconds of a round of `passes` draft passes verifying `nodes` nodes (root included)."""
@@ -214,10 +224,11 @@ class RoundCosts:
         """(expected tokens per second, nodes kept) of the best tree made of the most probable of `probs` (path
         probabilities below the root, sorted descending): keep k nodes for the k that maximises
         (1 + calibration·sum of the first k) / round_time(passes, 1 + k)."""
-        best, kept, expected = (1.0 / self.round_time(passes, 1), 0), 0, 1.0
+        drafting, times = self.draft_round + passes * self.draft, self.target_times(1 + len(probs))
+        best, kept, expected = (1.0 / (drafting + times[0] + self.other), 0), 0, 1.0
         for k, p in enumerate(probs, 1):
             expected += self.calibration * p
-            rate = expected / self.round_time(passes, 1 + k)
+            rate = expected / (drafting + times[k] + self.other)
             if rate > best[0]:
                 best = (rate, k)
         return best
