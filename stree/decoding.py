@@ -245,7 +245,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         parents = [p - offset for p in drafted.parents[offset:]]
         with clock("verify_time"):
             logits = target.tree_forward([tokens], [parents])[0]
-            scores = sampler.scores(logits, len(generated) + torch.tensor(drafted.depth[offset:], device=device))
+            scores = sampler.scores(logits, [len(generated) + d for d in drafted.depth[offset:]])  # a tensor if needed
             if sampler.greedy:
                 greedy = scores.argmax(-1).tolist()
                 accepted, bonus = verify_greedy(tokens, parents, greedy)

@@ -36,7 +36,8 @@ class Sampler:
     def scores(self, logits, generated):
         """Processed logits (..., vocab) in float64 for a row whose sequence already holds `generated` new tokens.
 
-        generated: int or a tensor broadcastable to logits.shape[:-1] (one count per row).
+        generated: an int, or a list or tensor broadcastable to logits.shape[:-1] (one count per row; made a
+            tensor only when min_new_tokens needs it).
         """
         scores = logits.double()
         if self.min_new_tokens and self.eos_ids:
