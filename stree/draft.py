@@ -150,6 +150,7 @@ class RoundCosts:
     # decayed counts behind agreement(q), per bin of q: greedy children the target chose, children verified
     agree_hits: list = field(default_factory=lambda: [0.0] * len(RoundCosts.AGREE_EDGES))
     agree_tries: list = field(default_factory=lambda: [0.0] * len(RoundCosts.AGREE_EDGES))
+    rank_agreement: list = None  # (k,) decayed mean agreement of greedy levels' j-th children (note_ranks)
 
     @property
     def level_accept(self):
@@ -192,6 +193,20 @@ class RoundCosts:
             b = self._agree_bin(q)
             self.agree_hits[b] += bool(agreed)
             self.agree_tries[b] += 1.0
+
+    # Greedy levels' mean agreement per child rank, as _levels_that_pay extrapolates the levels after the next:
+    # what the last level's children say of the next level's holds less the further ahead (an adaptive tree grown
+    # on the device decides every level from the root's children; extrapolated from those alone it drafted 2.59
+    # levels a round for the host's 1.87 at the same tau, benchmarks/tree_policy.py, fp32)
+    RANK_MEMORY = 0.9     # weight of the mean so far when a level comes in
+
+    def note_ranks(self, ratios):
+        """Fold in one greedy level's mean agreement per child rank (ratios: (k,) floats)."""
+        if self.rank_agreement is None or len(self.rank_agreement) != len(ratios):
+            self.rank_agreement = list(ratios)
+        else:
+            self.rank_agreement = [self.RANK_MEMORY * a + (1.0 - self.RANK_MEMORY) * r
+                                   for a, r in zip(self.rank_agreement, ratios)]
 
     @property
     def known(self):
@@ -450,6 +465,9 @@ def _greedy(growth, spec):
         growth.passes += len(levels)
     replay.pull()
     draft.settle([replay.settled])
+    if costs is not None:
+        for log_q in replay.level_log_q:
+            costs.note_ranks(_rank_means(costs, log_q))
     if isinstance(spec, StaticTree):
         return growth.result()
     return _most_probable(growth, spec, replay.joint, costs)
@@ -494,6 +512,7 @@ class _Replay:
         self.levels, self.done = [], 0   # device levels; how many are on the host
         self.joint = {growth.root: 0.0}  # node -> log path probability below the root
         self.children, self.log_q = [growth.root], None  # the last level's children and their log q (expand, k)
+        self.level_log_q = []            # every level's log q rows, root level first
         self.settled = []                # draft slots of the parents of the nodes fed on the device, in feeding order
 
     def pull(self):
@@ -519,6 +538,7 @@ class _Replay:
             ids, lq = values[at:at + E * k], values[at + E * k:at + 2 * E * k]
             at += 2 * E * k
             self.children, self.log_q = [], [lq[e * k:(e + 1) * k] for e in range(E)]
+            self.level_log_q.append(self.log_q)
             for e, node in enumerate(expanded):
                 for r in range(k):
                     child = growth.add(node, int(ids[e * k + r]))
@@ -530,10 +550,14 @@ class _Replay:
         """_levels_that_pay's arguments after the host has every level: (node estimates, root, the nodes the next level
         would expand, the mean agreement of each child rank at the last level, passes so far)."""
         expand = sorted(self.children, key=lambda n: -self.joint[n])[:spec.frontier]
-        ratios = [sum(costs.agreement(math.exp(row[r])) for row in self.log_q) / len(self.log_q)
-                  for r in range(len(self.log_q[0]))]
+        ratios = _rank_means(costs, self.log_q)
         estimates, _ = _greedy_estimates(costs, self.growth.parents, self.joint)
         return estimates, self.growth.root, expand, ratios, self.growth.passes
+
+
+def _rank_means(costs, log_q):
+    """The mean agreement of each child rank over a level's rows of log q (E, k)."""
+    return [sum(costs.agreement(math.exp(row[r])) for row in log_q) / len(log_q) for r in range(len(log_q[0]))]
 
 
 def _most_probable(growth, spec, joint, costs):
@@ -597,6 +621,8 @@ def _dynamic(growth, spec):
                 if costs is not None:  # the mean estimate of the rank-th child
                     ratios[rank] += (math.exp(estimate) if sampled_estimates else
                                      costs.agreement(math.exp(log_q))) / len(expand)
+        if costs is not None and not sampled_estimates:
+            costs.note_ranks(ratios)
     if not growth.sampler.greedy:
         return growth.result(estimates=_estimates(costs, growth, joint))
     return _most_probable(growth, spec, joint, costs)
@@ -623,12 +649,15 @@ def _levels_that_pay(costs, spec, estimates, root, expand, ratios, passes, most=
     estimates: {node: estimated chance of acceptance} (RoundCosts) below the root. The next level's nodes would be
     the children of `expand`: child j of a node of estimate p is estimated at p times the mean estimate of the
     j-th child at the last level given its parent (`ratios`); a level after that, the children of the `frontier`
-    likeliest of those, the same way. A level pays when the best tree of the nodes so far and its estimated
-    children (costs.best_rate: the likeliest nodes, as many as pay for their share of the target pass), one draft
-    pass dearer, promises more than the best tree without them."""
+    likeliest of those, at p times the mean over earlier rounds' levels (RoundCosts.rank_agreement, where known).
+    A level pays when the best tree of the nodes so far and its estimated children (costs.best_rate: the likeliest
+    nodes, as many as pay for their share of the target pass), one draft pass dearer, promises more than the best
+    tree without them."""
     probs = sorted((p for n, p in estimates.items() if n != root), reverse=True)[:spec.budget]
     frontier = [estimates.get(n, 1.0) for n in expand]
     for levels in range(most):
+        if levels and costs.rank_agreement is not None and len(costs.rank_agreement) == len(ratios):
+            ratios = costs.rank_agreement
         estimated = sorted((p * r for p in frontier for r in ratios), reverse=True)
         grown = sorted(probs + estimated, reverse=True)[:spec.budget]
         if costs.best_rate(grown, passes + levels + 1)[0] <= costs.best_rate(probs, passes + levels)[0]:

@@ -320,6 +320,54 @@ def test_levels_that_pay_extrapolate_the_first_level():
     assert {0, 7} < seen and len(seen) >= 4
 
 
+def test_levels_beyond_the_next_are_extrapolated_from_earlier_rounds_levels():
+    """With a mean agreement per rank from earlier levels (RoundCosts.rank_agreement = [a]), a chain's next level is
+    estimated from the last level (r times its parent) and every level after it at a times its parent: L levels
+    gain r^2 + r^2·a + ... + r^2·a^(L-1), and the number of levels maximises (1 + r + those) / (round + (1 + L)·draft
+    + verify), written out over every L."""
+    from stree.draft import RoundCosts, _levels_that_pay
+    spec = DynamicTree(budget=16, depth=8, top_k=1, frontier=1, adaptive=True)
+    seen = set()
+    for r, a in ((0.95, 0.3), (0.9, 0.6), (0.5, 0.9), (0.97, 0.97), (0.3, 0.99)):
+        for draft in (0.01, 0.05, 0.1, 0.3):
+            costs = RoundCosts(draft=draft, draft_round=0.2, verify=1.0, rank_agreement=[a])
+            gains = [1 + r] + [r * r * a ** i for i in range(7)]
+            rate = [sum(gains[:L + 1]) / (0.2 + (1 + L) * draft + 1.0) for L in range(8)]
+            want = max(range(8), key=lambda L: rate[L])
+            assert _levels_that_pay(costs, spec, {1: r}, 0, [1], [r], passes=1, most=7) == want, (r, a, draft)
+            seen.add(want)
+    assert {0, 1, 7} < seen
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_greedy_adaptive_levels_teach_the_mean_agreement_per_rank(on_device):
+    """Every level a greedy adaptive tree drafts, on the host or grown on the device, folds the mean over its expanded
+    nodes of agreement(q) of their j-th children into RoundCosts.rank_agreement (the first level sets it, each later
+    one moves it by 1 - RANK_MEMORY), recomputed here from the drafted tree's draft_q (checked against HF's forward
+    in test_adaptive_trees_estimate_nodes_by_measured_acceptance)."""
+    from stree.draft import RoundCosts
+    model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=4)
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(4))
+    costs = RoundCosts(draft=1e-9, verify=1.0)  # every level pays
+    costs.note_agreement([(q / 20, q % 3 > 0) for q in range(20)] * 3)
+    spec = DynamicTree(budget=10, depth=3, top_k=2, frontier=2, adaptive=True)  # every node kept
+    want = None
+    for _ in range(2):
+        draft = TreeModel(model)
+        draft.prefill(prompt)
+        drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=on_device)
+        children, depth = {}, {0: 0}
+        for node in range(1, len(drafted.tokens)):
+            children.setdefault(drafted.parents[node], []).append(node)
+            depth[node] = depth[drafted.parents[node]] + 1
+        for level in range(spec.depth):
+            expanded = [n for n in sorted(children) if depth[n] == level]
+            means = [sum(costs.agreement(drafted.draft_q[children[n][j]]) for n in expanded) / len(expanded)
+                     for j in range(spec.top_k)]
+            want = means if want is None else [0.9 * w + 0.1 * m for w, m in zip(want, means)]
+        assert costs.rank_agreement == pytest.approx(want, rel=1e-9)
+
+
 def test_round_costs_split_drafting_into_levels_and_a_fixed_part():
     """A round's drafting is a draft pass per level plus a fixed part (draft_round: the trunk, the last commit):
     rounds of 3 passes whose levels after the first took 2 s each and whose drafting took 9 s teach draft = 2 and
