@@ -269,13 +269,14 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         draft_s, verify_s = stats.draft_time - spent[0], stats.verify_time - spent[1]
         if costs is not None:
             round_s = time.perf_counter() - round_start
+            modelled = costs.round_time(drafted.passes, len(tokens))  # before this round's timings move it
             costs.update(draft_s, drafted.passes, drafted.level_seconds, verify_s, len(tokens),
                          round_s - draft_s - verify_s, len(accepted) - 1, drafted.expected)
             costs.note_levels(len(accepted) - 1, accepted[-1] in parents)
             if sampler.greedy:  # every verified node tells how often the target agrees with a draft probability
                 costs.note_agreement([(drafted.draft_q[n + offset], greedy[parents[n]] == tokens[n])
                                       for n in range(1, len(tokens))])
-            costs.note_round(context, len(accepted), round_s, costs.round_time(drafted.passes, len(tokens)))
+            costs.note_round(context, len(accepted), round_s, modelled)
             hit, steps = len(accepted) > 1, 0
     if streamer is not None:
         streamer.end()

@@ -197,7 +197,9 @@ class RoundCosts:
     # Greedy levels' mean agreement per child rank, as _levels_that_pay extrapolates the levels after the next:
     # what the last level's children say of the next level's holds less the further ahead (an adaptive tree grown
     # on the device decides every level from the root's children; extrapolated from those alone it drafted 2.59
-    # levels a round for the host's 1.87 at the same tau, benchmarks/tree_policy.py, fp32)
+    # levels a round for the host's 1.87 at the same tau, benchmarks/tree_policy.py, fp32). Fed by device-grown
+    # trees, the only ones that look further than one level (host decisions keep a cost model of their own). The
+    # root level counts as any other: in rounds that draft one level only, it is all the mean hears.
     RANK_MEMORY = 0.9     # weight of the mean so far when a level comes in
 
     def note_ranks(self, ratios):
@@ -292,13 +294,16 @@ class RoundCosts:
 
     def note_round(self, context, tokens, seconds, estimate=0.0):
         """Fold in a speculative round started in `context` that emitted `tokens` in `seconds`; estimate: the cost
-        model's seconds for it (round_time of its passes and nodes), which caps the sample at twice it (else the
-        pooled mean does, once there is one). A compiled generate's first rounds compile (seconds each, measured:
-        1.3 s and 5.4 s on the bundled pair) and come before any pooled figure: uncapped, they made every context
-        look dear for the rest of the call, and the adaptive tree took plain steps at 0.9x a fixed tree's speed."""
+        model's seconds for it (round_time of its passes and nodes, before this round updates it). The sample is
+        capped at twice the larger of the estimate and the pooled mean of earlier rounds (either where the other is
+        missing): a compiled generate's first rounds compile (seconds each, measured: 1.3 s and 5.4 s on the
+        bundled pair) and come before any pooled figure; uncapped, they made every context look dear for the rest
+        of the call, and the adaptive tree took plain steps at 0.9x a fixed tree's speed. The pooled mean keeps a
+        model that underestimates rounds (its fixed parts start at 0) from capping real seconds."""
         pooled = self.paced.get(None)
-        if estimate > 0.0 or pooled is not None:
-            seconds = _bounded(seconds, estimate if estimate > 0.0 else pooled[2] / pooled[0])
+        reference = max(estimate, pooled[2] / pooled[0] if pooled is not None else 0.0)
+        if reference > 0.0:
+            seconds = _bounded(seconds, reference)
         for key in (context, None):
             seen = self.paced.setdefault(key, [0.0, 0.0, 0.0])  # weight, weighted tokens, weighted seconds
             for i, value in enumerate((1.0, tokens, seconds)):
@@ -439,8 +444,8 @@ def _greedy(growth, spec):
     `frontier` most probable paths, a StaticTree's all), feeding them and taking their top-k children, with no host
     sync, all in one call (compiled: one graph), the tree coming to the host in one copy at the end. An adaptive
     tree first brings the root's children to the host and decides from them how many levels pay
-    (_levels_that_pay, extrapolating the later levels from the first), since a call a level would cost what a small
-    draft's level computes."""
+    (_levels_that_pay: the next level extrapolated from them, the later ones from earlier rounds' levels), since a
+    call a level would cost what a small draft's level computes. Its levels teach RoundCosts.note_ranks."""
     draft, plan, sampler, costs = growth.draft, _greedy_plan(spec), growth.sampler, _costs(growth, spec)
     trunk, root = len(growth.tokens), growth.root
     # first[level]: the draft's id of the first node expanded at that level (level 0: the root)
@@ -621,8 +626,6 @@ def _dynamic(growth, spec):
                 if costs is not None:  # the mean estimate of the rank-th child
                     ratios[rank] += (math.exp(estimate) if sampled_estimates else
                                      costs.agreement(math.exp(log_q))) / len(expand)
-        if costs is not None and not sampled_estimates:
-            costs.note_ranks(ratios)
     if not growth.sampler.greedy:
         return growth.result(estimates=_estimates(costs, growth, joint))
     return _most_probable(growth, spec, joint, costs)
@@ -649,7 +652,8 @@ def _levels_that_pay(costs, spec, estimates, root, expand, ratios, passes, most=
     estimates: {node: estimated chance of acceptance} (RoundCosts) below the root. The next level's nodes would be
     the children of `expand`: child j of a node of estimate p is estimated at p times the mean estimate of the
     j-th child at the last level given its parent (`ratios`); a level after that, the children of the `frontier`
-    likeliest of those, at p times the mean over earlier rounds' levels (RoundCosts.rank_agreement, where known).
+    likeliest of those, at p times the mean over earlier rounds' levels (RoundCosts.rank_agreement, where known and
+    of the same top_k).
     A level pays when the best tree of the nodes so far and its estimated children (costs.best_rate: the likeliest
     nodes, as many as pay for their share of the target pass), one draft pass dearer, promises more than the best
     tree without them."""

@@ -339,23 +339,27 @@ def test_levels_beyond_the_next_are_extrapolated_from_earlier_rounds_levels():
     assert {0, 1, 7} < seen
 
 
-@pytest.mark.parametrize("on_device", [False, True])
-def test_greedy_adaptive_levels_teach_the_mean_agreement_per_rank(on_device):
-    """Every level a greedy adaptive tree drafts, on the host or grown on the device, folds the mean over its expanded
-    nodes of agreement(q) of their j-th children into RoundCosts.rank_agreement (the first level sets it, each later
-    one moves it by 1 - RANK_MEMORY), recomputed here from the drafted tree's draft_q (checked against HF's forward
-    in test_adaptive_trees_estimate_nodes_by_measured_acceptance)."""
+def test_greedy_adaptive_levels_teach_the_mean_agreement_per_rank():
+    """Every level a greedy adaptive tree grown on the device drafts folds the mean over its expanded nodes of
+    agreement(q) of their j-th children into RoundCosts.rank_agreement (the first level sets it, each later one
+    moves it by 1 - RANK_MEMORY), recomputed here from the drafted tree's draft_q (checked against HF's forward in
+    test_adaptive_trees_estimate_nodes_by_measured_acceptance). Host decisions, which look one level ahead, neither
+    read nor feed it."""
     from stree.draft import RoundCosts
     model = tiny_model("mamba2", dtype=torch.float64, vocab_size=16, seed=4)
     prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(4))
     costs = RoundCosts(draft=1e-9, verify=1.0)  # every level pays
     costs.note_agreement([(q / 20, q % 3 > 0) for q in range(20)] * 3)
     spec = DynamicTree(budget=10, depth=3, top_k=2, frontier=2, adaptive=True)  # every node kept
+    draft = TreeModel(model)
+    draft.prefill(prompt)
+    draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=False)
+    assert costs.rank_agreement is None
     want = None
     for _ in range(2):
         draft = TreeModel(model)
         draft.prefill(prompt)
-        drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=on_device)
+        drafted = draft_tree(draft, [5], spec, Sampler(), generated=0, costs=costs, on_device=True)
         children, depth = {}, {0: 0}
         for node in range(1, len(drafted.tokens)):
             children.setdefault(drafted.parents[node], []).append(node)
@@ -403,6 +407,10 @@ def test_round_costs_interpolate_a_measured_pass_curve():
         assert abs(costs.target_time(n) - (1.0 + want)) < 1e-12, n
     assert abs(costs.target_time(20) - (1.0 + 2.4 + 3 * 0.9 / 9)) < 1e-12
     assert RoundCosts(verify=1.0, verify_node=0.5).target_time(4) == 3.0
+    # a curve measured from 2 nodes on: its first segment's slope below it, its last's beyond
+    late = RoundCosts(verify=1.0, verify_curve=((2, 0.5), (4, 0.9), (8, 1.3)))
+    assert late.target_times(12) == pytest.approx([1.0 + x for x in (0.3, 0.5, 0.7, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4,
+                                                                     1.5, 1.6, 1.7)], abs=1e-12)
     # a node of p = 0.5 brings 1.5x the tokens for 1.9x the seconds: none pays; with cheap rows all three do
     assert costs.best_rate([0.5, 0.05, 0.05], 1)[1] == 0
     assert RoundCosts(draft=0.01, verify=1.0, verify_node=0.02).best_rate([0.5, 0.05, 0.05], 1)[1] == 3
@@ -474,8 +482,9 @@ def test_pacing_follows_measured_rates_and_retries_contexts():
 
 def test_pacing_caps_stalled_rounds_at_twice_the_modelled_time():
     """A round that stalls (a compiled generate's first rounds compile: seconds each) counts as at most twice the
-    cost model's estimate for it, even as the first round of all, so that it does not make speculation look dear
-    for the rest of the call; without an estimate the pooled mean caps it, as before."""
+    larger of the cost model's estimate for it and the pooled mean of earlier rounds, even as the first round of all,
+    so that it does not make speculation look dear for the rest of the call; an estimate below what rounds really
+    take does not cap them below the pooled mean."""
     from stree.draft import RoundCosts
     costs = RoundCosts(step=1.0)
     costs.note_round((True, 0), tokens=3, seconds=1000.0, estimate=1.0)    # stalled: counts as 2 s
@@ -483,6 +492,11 @@ def test_pacing_caps_stalled_rounds_at_twice_the_modelled_time():
     assert costs.speculates((True, 0))                                    # 3 tokens in 2 s beat a 1 s step
     costs.note_round((True, 0), tokens=3, seconds=1.5, estimate=1.0)      # under the cap: counted as it is
     assert costs.paced[None][2] == pytest.approx(0.95 * 2.0 + 1.5)
+    costs.note_round((True, 0), tokens=3, seconds=3.0, estimate=0.1)      # the model underestimates: the mean caps
+    assert costs.paced[None][2] == pytest.approx(0.95 * (0.95 * 2.0 + 1.5) + 3.0)
+    costs.note_round((True, 0), tokens=3, seconds=100.0, estimate=0.1)
+    assert costs.paced[None][2] == pytest.approx(0.95 * (0.95 * (0.95 * 2.0 + 1.5) + 3.0) + 2 * (
+        (0.95 * (0.95 * 2.0 + 1.5) + 3.0) / (0.95 * (0.95 + 1) + 1)))
     uncapped = RoundCosts(step=1.0)
     uncapped.note_round((True, 0), tokens=3, seconds=1000.0)              # no estimate, no pooled mean yet
     assert not uncapped.speculates((True, 0))
