@@ -33,14 +33,23 @@ class Sampler:
     def greedy(self):
         return self.temperature == 0
 
+    def _may_ban_eos(self, generated):
+        """Whether EOS may still be banned for these counts (of a tensor: unknown without a sync, so yes)."""
+        if not (self.min_new_tokens and self.eos_ids):
+            return False
+        if torch.is_tensor(generated):
+            return True
+        counts = generated if isinstance(generated, (list, tuple)) else [generated]
+        return min(counts, default=self.min_new_tokens) < self.min_new_tokens
+
     def scores(self, logits, generated):
         """Processed logits (..., vocab) in float64 for a row whose sequence already holds `generated` new tokens.
 
         generated: an int, or a list or tensor broadcastable to logits.shape[:-1] (one count per row; made a
-            tensor only when min_new_tokens needs it).
+            tensor only while min_new_tokens may still ban EOS for one of them).
         """
         scores = logits.double()
-        if self.min_new_tokens and self.eos_ids:
+        if self._may_ban_eos(generated):
             banned = torch.as_tensor(generated, device=scores.device) < self.min_new_tokens
             eos = torch.tensor(sorted(self.eos_ids), device=scores.device)
             scores = scores.clone()
