@@ -9,6 +9,8 @@ is about p·d / (p·d + V) for a draft pass of d seconds and a target pass of V.
                  top-k), one row per expanded node, each from its own state: what any eager engine has to run for a
                  level, with no tree bookkeeping at all (checked against HF's own forward before it is timed);
   target pass    the target's pass over a tree of `--nodes` nodes (what verifies a round), and its one-node pass;
+  cold trunk     the trunk pass right after a target pass, as a round's first draft pass runs (the target's pass
+                 pushes the draft's weights out of the CPU's caches: timed as both minus the target pass alone);
 and prints the share a round of p draft levels would have with either (p from 1 to 6; the default adaptive tree
 drafts 2-5 levels a round on the bundled pair), then the measured shares of stree.generate's default tree and of
 DynamicTree(16) on held-out prompts. Medians of interleaved repeats; a table on stdout and JSON.
@@ -151,20 +153,26 @@ def main():
             target_model.discard()
         return run
 
-    for f in (stree_root, stree_two_levels, floor_level, target_pass(args.nodes), target_pass(1)):
+    def target_then_root():  # as in a round: the target's pass has just pushed the draft out of the CPU's caches
+        target_pass(args.nodes)()
+        stree_root()
+
+    for f in (stree_root, stree_two_levels, floor_level, target_pass(args.nodes), target_pass(1), target_then_root):
         for _ in range(5):
             f()
     ms = interleaved_median_ms({"stree root": stree_root, "stree root + level": stree_two_levels, "floor level": floor_level,
-                    "target pass": target_pass(args.nodes), "target 1-node pass": target_pass(1)}, args.repeats)
+                    "target pass": target_pass(args.nodes), "target 1-node pass": target_pass(1),
+                    "target pass, then stree root": target_then_root}, args.repeats)
     stree_level = ms["stree root + level"] - ms["stree root"]
     verify = ms["target pass"]
-    print(f"\n{'':>24} {'ms':>8} {'x floor':>8}")
+    cold_trunk = ms["target pass, then stree root"] - verify
+    print(f"\n{'':>30} {'ms':>8} {'x floor':>8}")
     pass_ms = dict(stree_level=stree_level, floor_level=ms["floor level"], stree_trunk=ms["stree root"],
-                    target_pass=verify, target_one_node=ms["target 1-node pass"])
+                   stree_trunk_after_target=cold_trunk, target_pass=verify, target_one_node=ms["target 1-node pass"])
     for label, value in (("stree level", stree_level), ("floor level", ms["floor level"]),
-                         ("stree trunk pass", ms["stree root"]), (f"target {args.nodes}-node pass", verify),
-                         ("target 1-node pass", ms["target 1-node pass"])):
-        print(f"{label:>24} {value:8.2f} {value / ms['floor level']:8.2f}")
+                         ("stree trunk pass", ms["stree root"]), ("stree trunk pass after target", cold_trunk),
+                         (f"target {args.nodes}-node pass", verify), ("target 1-node pass", ms["target 1-node pass"])):
+        print(f"{label:>30} {value:8.2f} {value / ms['floor level']:8.2f}")
     print(f"\ndraft share of a round of p levels, p·d / (p·d + target pass):")
     print(f"{'p':>4} {'stree':>8} {'floor':>8}")
     shares = []
