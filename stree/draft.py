@@ -235,17 +235,21 @@ class RoundCosts:
 
     def round_time(self, passes, nodes):
         """Seconds of a round of `passes` draft passes verifying `nodes` nodes (root included)."""
-        return self.draft_round + passes * self.draft + self.target_time(nodes) + self.other
+        return self._round(passes, self.target_time(nodes))
+
+    def _round(self, passes, target):
+        """Seconds of a round of `passes` draft passes whose target pass takes `target` seconds."""
+        return self.draft_round + passes * self.draft + target + self.other
 
     def best_rate(self, probs, passes):
         """(expected tokens per second, nodes kept) of the best tree made of the most probable of `probs` (path
         probabilities below the root, sorted descending): keep k nodes for the k that maximises
         (1 + calibration·sum of the first k) / round_time(passes, 1 + k)."""
-        drafting, times = self.draft_round + passes * self.draft, self.target_times(1 + len(probs))
-        best, kept, expected = (1.0 / (drafting + times[0] + self.other), 0), 0, 1.0
+        times = self.target_times(1 + len(probs))
+        best, expected = (1.0 / self._round(passes, times[0]), 0), 1.0
         for k, p in enumerate(probs, 1):
             expected += self.calibration * p
-            rate = expected / (drafting + times[k] + self.other)
+            rate = expected / self._round(passes, times[k])
             if rate > best[0]:
                 best = (rate, k)
         return best
