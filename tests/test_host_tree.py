@@ -6,7 +6,7 @@ import torch
 
 from loops import KINDS, path_to, random_rows
 from stree.models.host_tree import HostTree, PassLayout
-from triton_kernels.utils import window_index
+from stree.triton_kernels.utils import window_index
 
 KEYS = ((4, 3), (2, 5))  # (conv width, state columns)
 
