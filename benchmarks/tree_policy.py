@@ -34,14 +34,15 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 import torch  # noqa: E402
 
 import stree  # noqa: E402
-import stree.decoding as decoding  # noqa: E402
+from stree.adaptive import Acceptance, Pacing, PassTimes, RoundCosts, calibrate  # noqa: E402
+from stree.decoding import Generation  # noqa: E402
 from stree.demo import demo_pair, held_out_prompts  # noqa: E402
-from stree.draft import RoundCosts, tree_shapes  # noqa: E402
+from stree.shapes import tree_shapes  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # label -> (tree, draft_on_device): an adaptive tree grown on the device decides its depth after the first level;
 # "by path probability": the adaptive tree estimating greedy nodes by their draft path probability (the rule before
-# the measured agreement, RoundCosts.agreement)
+# the measured agreement, Acceptance.agreement)
 TREES = {
     "default (adaptive)": (stree.DynamicTree(adaptive=True), False),
     "default, device-grown": (stree.DynamicTree(adaptive=True), True),
@@ -53,64 +54,56 @@ TREES = {
     "chain (1, 1, 1, 1)": (stree.StaticTree((1, 1, 1, 1)), False),
     "chain (1, 1)": (stree.StaticTree((1, 1)), False),
 }
+TIMINGS = ("draft", "draft_round", "verify", "verify_curve", "other")
 
 
-class FrozenCosts(RoundCosts):
-    """RoundCosts whose timings stay as measured: update() learns only from acceptance, and every round drafts."""
+class FrozenTimes(PassTimes):
+    """PassTimes that stay as measured: rounds teach them nothing."""
 
     def update(self, *args):
-        timings = (self.draft, self.draft_round, self.verify, self.other)
-        super().update(*args)
-        self.draft, self.draft_round, self.verify, self.other = timings
+        pass
+
+
+class AlwaysSpeculate(Pacing):
+    """Pacing that never takes a plain step (pacing is judged by timings)."""
 
     def speculates(self, context):
         return True
 
 
-class PathProbabilityCosts(FrozenCosts):
-    """FrozenCosts whose greedy agreement stays the draft's own probability (no tries outweigh the prior)."""
+class PathProbability(Acceptance):
+    """Acceptance whose greedy agreement stays the draft's own probability (no tries outweigh the prior)."""
     AGREE_PRIOR = 1e12
 
 
-class Recorder:
-    """Wraps stree.decoding's draft_tree and verify_greedy to keep each greedy round: (the drafted tree, the trunk
-    length, the target's argmax after each node of the verified tree), and the drafting seconds."""
+def frozen(times, acceptance=Acceptance):
+    """A RoundCosts with `times`' timings frozen: it still learns its calibration and agreement table."""
+    return RoundCosts(FrozenTimes(**{f: getattr(times, f) for f in TIMINGS}), acceptance(), AlwaysSpeculate())
 
-    def __init__(self):
-        self.rounds, self.drafting = [], []
-        self.draft_tree, self.verify_greedy = decoding.draft_tree, decoding.verify_greedy
 
-    def __enter__(self):
-        def draft_tree(draft, trunk, *args):
-            start = time.perf_counter()
-            drafted = self.draft_tree(draft, trunk, *args)
-            self.drafting.append((time.perf_counter() - start, drafted.level_seconds, drafted.passes))
-            self.rounds.append([drafted, len(trunk), None])
-            return drafted
-
-        def verify_greedy(tokens, parents, greedy, *args):
-            self.rounds[-1][2] = list(greedy)
-            return self.verify_greedy(tokens, parents, greedy, *args)
-
-        decoding.draft_tree, decoding.verify_greedy = draft_tree, verify_greedy
-        return self
-
-    def __exit__(self, *exc):
-        decoding.draft_tree, decoding.verify_greedy = self.draft_tree, self.verify_greedy
+def generate_rounds(target, draft, prompt, spec, new_tokens, **kwargs):
+    """stree.generate's loop, driven here: (its GenerationStats, [(Round, drafting seconds)])."""
+    generation, rounds = Generation(target, prompt, draft_model=draft, max_new_tokens=new_tokens, tree=spec,
+                                    **kwargs), []
+    while not generation.done:
+        drafting = generation.stats.draft_time
+        result = generation.round()
+        rounds.append((result, generation.stats.draft_time - drafting))
+    return generation.output(return_stats=True)[1], rounds
 
 
 def node_statistics(rounds):
     """Per verified draft node: (draft probability given its parent, whether the target's argmax after its parent is
     its token, depth, draft path probability, accepted: every node on its path agreed)."""
     nodes = []
-    for drafted, trunk, greedy in rounds:
-        if greedy is None or drafted.draft_q is None:
+    for result, _ in rounds:
+        if result.greedy is None or result.drafted is None or result.drafted.draft_q is None:
             continue
-        offset = trunk - 1
-        tokens, parents = drafted.tokens[offset:], [p - offset for p in drafted.parents[offset:]]
+        tokens, parents, greedy = result.tokens, result.parents, result.greedy
+        draft_q = result.drafted.draft_q[result.drafted.root:]
         depth, path, accepted = [0], [1.0], [True]
         for n in range(1, len(tokens)):
-            q, agreed = drafted.draft_q[n + offset], greedy[parents[n]] == tokens[n]
+            q, agreed = draft_q[n], greedy[parents[n]] == tokens[n]
             depth.append(depth[parents[n]] + 1)
             path.append(path[parents[n]] * q)
             accepted.append(accepted[parents[n]] and agreed)
@@ -119,9 +112,9 @@ def node_statistics(rounds):
 
 
 def measure_costs(target, draft, prompts, calibrations, new_tokens):
-    """A RoundCosts measured on this pair: target passes from stree's own calibration (the median of
-    `calibrations` runs), a draft level, a round's drafting beyond its levels and the rest of a round from greedy
-    rounds of DynamicTree(16)."""
+    """PassTimes measured on this pair: target passes from stree's own calibration (the median of `calibrations`
+    runs), a draft level, a round's drafting beyond its levels and the rest of a round from greedy rounds of
+    DynamicTree(16)."""
     spec = stree.DynamicTree(16)
     target_nodes, draft_nodes, draft_width = tree_shapes(spec, paced=True)
     runs = []
@@ -129,52 +122,46 @@ def measure_costs(target, draft, prompts, calibrations, new_tokens):
         t, d = stree.TreeModel(target, nodes=target_nodes), stree.TreeModel(draft, nodes=draft_nodes)
         t.prefill(prompts[0], max_length=256)
         d.prefill(prompts[0], max_length=256)
-        runs.append(decoding._calibrate(RoundCosts(), t, d, target_nodes, spec.frontier, 7))
-    costs = FrozenCosts(verify=statistics.median(r.verify for r in runs),
-                        verify_curve=tuple((n, statistics.median(r.verify_curve[i][1] for r in runs))
-                                           for i, (n, _) in enumerate(runs[0].verify_curve)))
-    with Recorder() as recorder:
-        other = []
-        for prompt in prompts:
-            _, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=new_tokens, tree=spec,
-                                      return_stats=True)
-            breakdown = stats.breakdown()
-            other.append((breakdown["commit_ms"] + breakdown["other_ms"]) / 1e3)
-    costs.draft = statistics.median(level / (passes - 1) for _, level, passes in recorder.drafting)
-    costs.draft_round = statistics.median(total - passes * costs.draft for total, _, passes in recorder.drafting)
-    costs.other = statistics.median(other)
-    return costs
+        runs.append(calibrate(RoundCosts(), t, d, target_nodes, spec.frontier, 7).times)
+    times = PassTimes(verify=statistics.median(r.verify for r in runs),
+                      verify_curve=tuple((n, statistics.median(r.verify_curve[i][1] for r in runs))
+                                         for i, (n, _) in enumerate(runs[0].verify_curve)))
+    drafting, other = [], []
+    for prompt in prompts:
+        stats, rounds = generate_rounds(target, draft, prompt, spec, new_tokens, sync=True)
+        drafting += [(seconds, r.drafted.level_seconds, r.drafted.passes) for r, seconds in rounds if r.drafted]
+        breakdown = stats.breakdown()
+        other.append((breakdown["commit_ms"] + breakdown["other_ms"]) / 1e3)
+    times.draft = statistics.median(level / (passes - 1) for _, level, passes in drafting)
+    times.draft_round = statistics.median(total - passes * times.draft for total, _, passes in drafting)
+    times.other = statistics.median(other)
+    return times
 
 
-def run_tree(target, draft, prompts, label, spec, on_device, costs, new_tokens):
+def run_tree(target, draft, prompts, label, spec, on_device, times, new_tokens):
     """(modelled seconds, real seconds, tokens, rounds, draft passes, target nodes, recorded rounds) of `spec` over
-    the prompts, with `costs` frozen for an adaptive tree (kept across prompts, as generate keeps it)."""
-    target.__dict__.pop("_stree_costs", None)
-    kind = PathProbabilityCosts if label == "adaptive by path prob." else FrozenCosts
-    frozen = kind(**{f: getattr(costs, f) for f in ("draft", "draft_round", "verify", "verify_curve",
-                                                           "other")})
+    the prompts, with `times` frozen for an adaptive tree (one RoundCosts kept across prompts, as generate keeps
+    it)."""
+    costs = frozen(times, PathProbability if label == "adaptive by path prob." else Acceptance)
     real = modelled = 0.0
     tokens = rounds = passes = nodes = 0
-    original = decoding._calibrate
-    decoding._calibrate = lambda *args: frozen
-    try:
-        with Recorder() as recorder:
-            for prompt in prompts:
-                start = time.perf_counter()
-                _, stats = stree.generate(target, prompt, draft_model=draft, max_new_tokens=new_tokens, tree=spec,
-                                          return_stats=True, draft_on_device=on_device)
-                real += time.perf_counter() - start - stats.prefill_time
-                tokens += stats.new_tokens - 1  # the first new token is the prefill's
-                rounds, passes = rounds + stats.rounds, passes + stats.draft_passes
-                nodes += sum(stats.tree_sizes)
-                modelled += (stats.rounds * (costs.draft_round + costs.other) + stats.draft_passes * costs.draft +
-                             sum(costs.target_time(n) for n in stats.tree_sizes))
-    finally:
-        decoding._calibrate = original
+    recorded = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        stats, prompt_rounds = generate_rounds(target, draft, prompt, spec, new_tokens, sync=True,
+                                               draft_on_device=on_device, costs=costs)
+        real += time.perf_counter() - start - stats.prefill_time
+        recorded += prompt_rounds
+        tokens += stats.new_tokens - 1  # the first new token is the prefill's
+        rounds, passes = rounds + stats.rounds, passes + stats.draft_passes
+        nodes += sum(stats.tree_sizes)
+        modelled += (stats.rounds * (times.draft_round + times.other) + stats.draft_passes * times.draft +
+                     sum(times.target_time(n) for n in stats.tree_sizes))
+    agreement = costs.acceptance
     return dict(modelled_s=modelled, real_s=real, tokens=tokens, rounds=rounds, draft_passes=passes, nodes=nodes,
-                agreement={low: frozen.agreement((low + high) / 2) for low, high in
-                           zip(frozen.AGREE_EDGES, frozen.AGREE_EDGES[1:] + (1.0,))}
-                if getattr(spec, "adaptive", False) else None), recorder.rounds
+                agreement={low: agreement.agreement((low + high) / 2) for low, high in
+                           zip(agreement.AGREE_EDGES, agreement.AGREE_EDGES[1:] + (1.0,))}
+                if getattr(spec, "adaptive", False) else None), recorded
 
 
 def main():
@@ -201,7 +188,7 @@ def main():
     if args.costs:
         with open(args.costs) as f:
             kept = json.load(f)["costs"]
-        costs = FrozenCosts(**{**kept, "verify_curve": tuple(map(tuple, kept["verify_curve"]))})
+        costs = PassTimes(**{**kept, "verify_curve": tuple(map(tuple, kept["verify_curve"]))})
     else:
         costs = measure_costs(target, draft, prompts[:3], args.calibrations, 64)
     curve = ", ".join(f"{n}: {1e3 * (costs.verify + s):.2f}" for n, s in costs.verify_curve)

@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 import subprocess
@@ -39,6 +40,18 @@ def test_tree_option():
     assert _tree("beam:2:3") == BeamTree(beams=2, steps=3)
     with pytest.raises(Exception):
         _tree("three")
+
+
+def test_tree_option_takes_the_tree_names(capsys):
+    """--tree takes stree.shapes' names; the old spellings still work and print the new name."""
+    assert _tree("adaptive") == DynamicTree(adaptive=True)
+    assert _tree("dynamic-16") == DynamicTree(16) and _tree("chain-4") == StaticTree((1, 1, 1, 1))
+    assert _tree("beam-2x3") == BeamTree(beams=2, steps=3)
+    assert capsys.readouterr().err == ""
+    assert _tree("fixed:10") == DynamicTree(budget=10)
+    assert "use --tree dynamic-10" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentTypeError, match="tree names"):
+        _tree("dynamic-sixteen")
 
 
 def test_generate_streams_text_and_reports_tau(pair_dir, capsys):

@@ -72,13 +72,23 @@ def random_pacing(monkeypatch, seed):
     machine's timings (the tests that count catch-up trunks were flaky under load)."""
     import random
 
-    import stree.decoding as decoding
-    from stree.draft import RoundCosts
+    from stree.adaptive import Pacing, PassTimes
     coin = random.Random(seed)
-    monkeypatch.setattr(RoundCosts, "speculates", lambda self, context: coin.random() < 0.4)
-    monkeypatch.setattr(RoundCosts, "update", lambda self, *args: None)
-    monkeypatch.setattr(decoding, "_calibrate", lambda costs, *args: RoundCosts(
-        draft=0.01, verify=1.0, verify_node=0.01, other=0.0, step=1.0))
+    monkeypatch.setattr(Pacing, "speculates", lambda self, context: coin.random() < 0.4)
+    monkeypatch.setattr(PassTimes, "update", lambda self, *args: None)
+    fixed_calibration(monkeypatch, draft=0.01, verify=1.0, verify_node=0.01, other=0.0)
+
+
+def fixed_calibration(monkeypatch, step=1.0, **times):
+    """generate's calibration of an adaptive tree's costs replaced by fixed figures: PassTimes(**times), a plain
+    step of `step` seconds."""
+    import stree.decoding as decoding
+    from stree.adaptive import PassTimes
+
+    def calibrate(costs, *args):
+        costs.times, costs.pacing.step = PassTimes(**times), step
+        return costs
+    monkeypatch.setattr(decoding, "calibrate", calibrate)
 
 
 def record_trunks(monkeypatch):
@@ -92,19 +102,19 @@ def record_trunks(monkeypatch):
 
 @pytest.mark.parametrize("on_device", [False, True])
 def test_greedy_adaptive_rounds_learn_agreement_from_every_verified_node(monkeypatch, on_device):
-    """Each greedy adaptive round hands RoundCosts.note_agreement one (q, agreed) pair per draft node it verified:
+    """Each greedy adaptive round hands Acceptance.note_agreement one (q, agreed) pair per draft node it verified:
     q the draft's probability of the node's token after its parent's path, agreed whether that token is the
     target's greedy choice there, both decided by HF's own forwards over the whole context."""
     import stree.decoding as decoding
-    from stree.draft import RoundCosts
+    from stree.adaptive import Acceptance, Pacing
     target = without_eos(tiny_model("bamba", dtype=torch.float64, seed=3))
     draft = noisy_copy(target, scale=0.05, seed=2)
-    monkeypatch.setattr(RoundCosts, "speculates", lambda self, context: True)
-    monkeypatch.setattr(decoding, "_calibrate", lambda costs, *args: RoundCosts(draft=1e-6, verify=1.0, step=1.0))
+    monkeypatch.setattr(Pacing, "speculates", lambda self, context: True)
+    fixed_calibration(monkeypatch, draft=1e-6, verify=1.0)
     rounds, noted, original = [], [], decoding.draft_tree
     monkeypatch.setattr(decoding, "draft_tree", lambda draft_model, trunk, spec, sampler, generated, *a: rounds.append(
         (len(trunk), generated, original(draft_model, trunk, spec, sampler, generated, *a))) or rounds[-1][2])
-    monkeypatch.setattr(RoundCosts, "note_agreement", lambda self, verified: noted.append(list(verified)))
+    monkeypatch.setattr(Acceptance, "note_agreement", lambda self, verified: noted.append(list(verified)))
     prompt = prompts([5], seed=7)[0]
     spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)
     out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=30, tree=spec, draft_on_device=on_device)
@@ -147,8 +157,8 @@ def test_a_stalled_first_round_does_not_stop_speculation(monkeypatch):
     spec = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True)
     got = stree.generate(target, prompts([5], seed=7)[0], draft_model=draft, max_new_tokens=40, tree=spec)
     assert torch.equal(got, hf_greedy(target, prompts([5], seed=7)[0], 40))
-    (costs,) = target._stree_costs.values()
-    weight, _, seconds = costs.paced[None]
+    (costs,) = stree.adaptive.kept_costs(target).values()
+    weight, _, seconds = costs.pacing.paced[None]
     assert seconds / weight < 1.0  # uncapped, the stall alone would make it ~1000 / (rounds' weight)
 
 
@@ -398,11 +408,10 @@ def test_fixed_shape_compiled_passes_equal_hf(monkeypatch):
     # with and without a commit to run first (a first pass after a prefill has none, nor do extend passes).
     assert 4 <= frames <= 8
     assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
-    import stree.decoding as decoding
-    from stree.draft import RoundCosts
+    from stree.adaptive import PassTimes
     # costs frozen so that levels pay whatever this machine's load (real timings may make every round one level)
-    monkeypatch.setattr(decoding, "_calibrate", lambda costs, *args: RoundCosts(draft=1e-3, verify=1.0, step=1.0))
-    monkeypatch.setattr(RoundCosts, "update", lambda self, *args: None)
+    fixed_calibration(monkeypatch, draft=1e-3, verify=1.0)
+    monkeypatch.setattr(PassTimes, "update", lambda self, *args: None)
     for prompt in prompts([5, 9, 7], seed=3):
         out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, compile=options,
                              draft_on_device=True)

@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
            "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable", "demo_pair"]
 
-_LAZY = {"generate": ".decoding", "GenerationStats": ".decoding", "TreeModel": ".models", "StaticTree": ".draft",
-         "DynamicTree": ".draft", "BeamTree": ".draft", "enable": ".dropin", "disable": ".dropin",
+_LAZY = {"generate": ".decoding", "GenerationStats": ".stats", "TreeModel": ".models", "StaticTree": ".shapes",
+         "DynamicTree": ".shapes", "BeamTree": ".shapes", "enable": ".dropin", "disable": ".dropin",
          "demo_pair": ".demo"}
 
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .adaptive import kept_costs
 from .decoding import generate
 
 
@@ -87,10 +88,11 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             times[name].append(elapsed)
             results[name] = outs
     if profile:  # cProfile slows the run: the costs adaptive trees keep on the target must not learn from it
-        kept = copy.deepcopy(target.__dict__.get("_stree_costs"))
+        kept = kept_costs(target)
+        learnt = copy.deepcopy(kept)
         profiles = {name: _profiled(lambda: run(name), profile) for name in methods if name != "HF generate"}
-        if kept is not None:
-            target.__dict__["_stree_costs"] = kept
+        kept.clear()
+        kept.update(learnt)
     else:
         profiles = {}
     rows, reference = [], [out for out, _ in results["HF generate"]]

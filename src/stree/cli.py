@@ -5,6 +5,7 @@
     stree distill --target PATH --student-config student.json --data FILES_OR_DIRS --output DIR
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,19 +15,20 @@ import torch
 
 
 def _tree(text):
-    """--tree: "3,2,2,1" (static), "dynamic[:budget]" (sized by measured costs), "fixed[:budget]" (a dynamic tree
-    always grown to its depth) or "beam[:beams:steps]"."""
-    from .draft import BeamTree, DynamicTree, StaticTree
+    """--tree: a tree name (stree.shapes.parse_tree: adaptive, adaptive-24, dynamic-16, 3,2,2,1, chain-4, beam-4x4).
+    The older spellings dynamic[:budget] (adaptive), fixed[:budget] (a dynamic tree of that budget) and
+    beam[:beams:steps] still work, with a warning naming the new one."""
+    from .shapes import BeamTree, DynamicTree, parse_tree, tree_name
     kind, _, rest = text.partition(":")
-    numbers = [int(x) for x in rest.replace(":", ",").split(",") if x] if rest else []
-    if kind in ("dynamic", "fixed"):
-        return DynamicTree(*numbers, adaptive=kind == "dynamic")
-    if kind == "beam":
-        return BeamTree(*numbers)
+    if kind in ("dynamic", "fixed", "beam"):  # the new names of these kinds always hold a "-"
+        numbers = [int(x) for x in rest.replace(":", ",").split(",") if x] if rest else []
+        spec = BeamTree(*numbers) if kind == "beam" else DynamicTree(*numbers, adaptive=kind == "dynamic")
+        print(f"stree: --tree {text} is an old spelling; use --tree {tree_name(spec)}", file=sys.stderr)
+        return spec
     try:
-        return StaticTree(tuple(int(x) for x in text.split(",")))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tree must look like 3,2,2,1 or dynamic:24 or beam:4:4, got {text!r}")
+        return parse_tree(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
 
 
 def _load_pair(args, dtype=torch.float32):
@@ -73,16 +75,16 @@ def cmd_bench(args):
 
     from .benchmark import compare, format_rows
     from .demo import held_out_prompts
-    from .draft import DynamicTree
     from .models import inflate_bamba
+    from .shapes import DynamicTree, tree_name
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = _load_pair(args, dtype)
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
-    trees = {"chain (1, 1, 1, 1)": args.chain}
+    trees = {tree_name(args.chain): args.chain}
     if isinstance(args.tree, DynamicTree) and args.tree.adaptive:  # the same tree always grown to its depth
-        trees["dynamic tree, fixed size"] = DynamicTree(args.tree.budget, args.tree.depth, args.tree.top_k,
-                                                        args.tree.frontier)
-    trees["dynamic tree (default)" if args.tree == DynamicTree(adaptive=True) else f"tree {args.tree}"] = args.tree
+        fixed = dataclasses.replace(args.tree, adaptive=False)
+        trees[tree_name(fixed)] = fixed
+    trees[tree_name(args.tree)] = args.tree
     targets = [("target", target)]
     if args.large:  # a realistic-size target computing the same function: bound by reading weights
         targets.append(("target inflated to 0.9B", inflate_bamba(target, hidden_size=2048, mamba_heads=64,
@@ -161,8 +163,9 @@ def build_parser():
         p.add_argument("--target", help="HF checkpoint folder (default: the bundled demo pair)")
         p.add_argument("--draft", help="HF checkpoint folder of the draft")
         p.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
-        p.add_argument("--tree", type=_tree, default=_tree("dynamic"),
-                       help="dynamic[:budget] (default; sized by measured costs) | fixed[:budget] | 3,2,2,1 | beam:4:4")
+        p.add_argument("--tree", type=_tree, default=_tree("adaptive"),
+                       help="adaptive (default: sized every round by measured costs) | adaptive-24 | dynamic-16 | "
+                       "3,2,2,1 | chain-4 | beam-4x4")
 
     gen = commands.add_parser("generate", help="speculative tree decoding of one prompt, streamed")
     pair_options(gen)
@@ -176,7 +179,7 @@ def build_parser():
 
     bench = commands.add_parser("bench", help="HF generate vs stree autoregressive vs chain vs tree decoding")
     pair_options(bench)
-    bench.add_argument("--chain", type=_tree, default=_tree("1,1,1,1"))
+    bench.add_argument("--chain", type=_tree, default=_tree("chain-4"))
     bench.add_argument("--prompts", type=int, default=4)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--max-new-tokens", type=int, default=128)
