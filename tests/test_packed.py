@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import stree
 from stree.models import TreeModel, packed, tiny_model
-from stree.models.tree_model import _weights_version
+from stree.models.hf_forward import weights_version as _weights_version
 from test_generate import hf_greedy, noisy_copy, prompts, without_eos
 from test_tree_model import assert_tree_logits_match_sequential
 
@@ -45,7 +45,7 @@ def test_tree_passes_on_packed_weights_equal_sequential_decoding(forced):
     for family in ("bamba", "mamba2"):
         model = tiny_model(family, dtype=torch.float32)
         assert_tree_logits_match_sequential(model, prompt_len=7, T=10, seed=2, tol=1e-4)
-        forwards = model.__dict__[packed._KEY][1]
+        forwards = packed.kept_linears(model)
         assert set(forwards) == {m for m in model.modules() if isinstance(m, torch.nn.Linear)}
         assert all("forward" not in vars(m) for m in model.modules())  # HF's own forwards are back after a pass
 
@@ -56,7 +56,7 @@ def test_greedy_generate_on_packed_weights_equals_hf(forced):
     for prompt in prompts([2, 12], seed=12):
         assert torch.equal(stree.generate(target, prompt, draft_model=draft, max_new_tokens=48),
                            hf_greedy(target, prompt, 48))
-    assert target.__dict__[packed._KEY][1] and draft.__dict__[packed._KEY][1]
+    assert packed.kept_linears(target) and packed.kept_linears(draft)
 
 
 def test_packed_weights_follow_weights_changed_in_place(forced):
@@ -64,12 +64,12 @@ def test_packed_weights_follow_weights_changed_in_place(forced):
     tm = TreeModel(model)
     prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
     tm.prefill(prompt)
-    first = model.__dict__[packed._KEY][1]
+    first = packed.kept_linears(model)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     assert_tree_logits_match_sequential(model, prompt_len=5, T=6, seed=4, tol=1e-4)
-    assert model.__dict__[packed._KEY][1] is not first
+    assert packed.kept_linears(model) is not first
 
 
 def test_packing_is_off_by_switch_when_it_does_not_fit_and_in_float64(forced, monkeypatch):

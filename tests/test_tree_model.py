@@ -251,11 +251,33 @@ def test_compiled_tree_model_runs_a_first_one_node_pass_on_its_dynamic_graph():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def test_what_stree_keeps_for_a_model_goes_with_it():
+    """The compiled TreeModels, measured costs and packed weights stree keeps per model are held weakly: nothing
+    is written into the model, and a model the user drops is freed (a kept TreeModel must not refer back to it)."""
+    import gc
+    import weakref
+    from stree.adaptive import kept_costs
+    from stree.decoding import tree_model
+    from stree.models.packed import packed_linears
+    model = tiny_model("mamba2", dtype=torch.float32)
+    before = set(model.__dict__)
+    tm = tree_model(model, dict(backend="aot_eager"), nodes=4, pass_width=4)
+    assert tree_model(model, dict(backend="aot_eager"), nodes=4, pass_width=4) is tm
+    kept_costs(model)
+    packed_linears(model, 0)
+    assert set(model.__dict__) == before
+    gone = weakref.ref(model)
+    del model, tm
+    gc.collect()
+    assert gone() is None
+
+
 def test_compile_arguments_give_cuda_graphs_beside_the_guard_filter():
     """TreeModel.compile's torch.compile arguments: on CUDA the inductor backend gets CUDA graphs (mode
     "reduce-overhead" as inductor options, since torch.compile refuses a mode beside options, and the options always
     carry the guard filter); a user's mode and options are kept; a mode for another backend is refused."""
-    from stree.models.tree_model import _compile_options, _skip_module_guards_of_own_frames
+    from stree.models.compile import compile_options as _compile_options
+    from stree.models.compile import skip_module_guards_of_own_frames as _skip_module_guards_of_own_frames
     cuda = _compile_options({"dynamic": None}, cuda=True)
     assert "mode" not in cuda and cuda["options"]["triton.cudagraphs"] is True
     assert cuda["options"]["guard_filter_fn"] is _skip_module_guards_of_own_frames

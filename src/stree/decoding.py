@@ -18,6 +18,7 @@ import torch
 from .adaptive import RoundCosts, calibrate, kept_costs
 from .drafting import DraftedTree, draft_tree, grows_on_device
 from .models import TreeModel
+from .models.compile import compiled_tree_model
 from .sampling import Sampler, sample
 from .shapes import DynamicTree, tree_shapes, tree_spec
 from .stats import Clock, GenerationStats
@@ -317,7 +318,7 @@ def eos_ids(eos_token_id):
 
 def tree_model(model, compile, nodes, pass_width, pad_single=True):
     """A TreeModel of `model`: a new eager one, or with compile (True or torch.compile options) the compiled one
-    kept on the model for these shapes and options (so compilation is paid once per model and tree shape). On
+    kept for the model and these shapes and options (so compilation is paid once per model and tree shape). On
     CUDA every pass is padded to `pass_width` nodes (one CUDA graph per shape: extra rows cost a GPU almost
     nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension (pad_single: see
     TreeModel.compile; adaptive trees' targets run one-node passes unpadded, warmed up by the calibration)."""
@@ -325,9 +326,4 @@ def tree_model(model, compile, nodes, pass_width, pad_single=True):
         return TreeModel(model, nodes=nodes)
     options = {} if compile is True else dict(compile)
     width = pass_width if model.device.type == "cuda" else None
-    kept = model.__dict__.setdefault("_stree_compiled", {})
-    # The mode is in the key: a pass traces it as a constant (module attributes are not guarded in the pass's frame).
-    key = (nodes, width, pad_single, repr(sorted(options.items())), model.training)  # repr: values may be dicts
-    if key not in kept:
-        kept[key] = TreeModel(model, nodes=nodes, pass_width=width).compile(pad_single=pad_single, **options)
-    return kept[key]
+    return compiled_tree_model(model, nodes, width, pad_single, options)

@@ -22,7 +22,7 @@ MIXER_ATTRIBUTES = ("A_log", "dt_bias", "D", "conv1d", "in_proj", "out_proj", "n
 class Mamba2Layers:
     """The Mamba2 mixers of one StateGroup (mixers[j] owns slice j of group.conv / group.recurrent).
 
-    A mixer kind (see tree_model.MIXER_KINDS) provides: matches(module), window_keys(module) (the conv windows
+    A mixer kind (see families.MIXER_KINDS and families.MixerKind) provides: matches(module), window_keys(module) (the conv windows
     its passes need, (width, state_len) pairs), construction from (mixers, group), reserve(capacity),
     forward(j, hidden_states, tree_pass, conv_state, recurrent_state) and commit(index, nodes).
 

@@ -14,7 +14,7 @@ key instead of the weight: the packed weight stays out of the graph (inductor ca
 as a constant), and a graph keeps working when the weights are packed again (same key) or not at all (the operator
 then runs F.linear on the layer's own weight).
 
-The packed weights are a second copy of the weights they pack. They are kept on the model (one set per weights
+The packed weights are a second copy of the weights they pack. They are kept per model, weakly (one set per weights
 version, see packed_linears) and made only when they fit in a quarter of the memory the system has available.
 Set STREE_PACK_LINEARS=0 to turn them off (it is read when a model's set is made: before its first pass, after
 its weights change, or after drop_packed_linears(model), which frees them).
@@ -34,7 +34,7 @@ _BOUNDS = [math.sqrt(a * b) for a, b in zip(MEASURED_ROWS, MEASURED_ROWS[1:])]  
 PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_GAIN = 0.9       # a packed product is used only where it measured at most this fraction of the plain one
 MEMORY_SHARE = 0.25  # packed copies may take at most this share of the available memory
-_KEY = "_stree_packed_linears"
+_KEPT = weakref.WeakKeyDictionary()  # model -> (weights version, {nn.Linear: packed forward})
 
 # The operator a compiled pass calls: key -> the layer (while it lives) and its packed weight (while packed).
 _LAYERS = weakref.WeakValueDictionary()
@@ -147,17 +147,19 @@ def _forward(module, packed, uses):
 
 
 @torch.no_grad()
-def packed_linears(model, version):
-    """{nn.Linear module: forward on its packed weight} for `model`'s CPU layers: plain nn.Linear only (subclasses,
-    e.g. quantized ones, keep their forward), empty when packing does not pay or does not fit. `version`
-    identifies the weights (tree_model._weights_version): the set is kept on the model and remade when it changes.
-    The first call measures and packs: about a second for a 1B model."""
-    kept = model.__dict__.get(_KEY)
+def packed_linears(model, version, head=None):
+    """{nn.Linear module: forward on its packed weight} for the CPU layers of `model` (and `head`, an LM head kept
+    outside it): plain nn.Linear only (subclasses, e.g. quantized ones, keep their forward), empty when packing does
+    not pay or does not fit. `version` identifies the weights (hf_forward.weights_version): the set is kept for
+    `model` (weakly: it dies with the model) and remade when the version changes. The first call measures and
+    packs: about a second for a 1B model."""
+    kept = _KEPT.get(model)
     if kept is not None and kept[0] == version:
         return kept[1]
-    model.__dict__.pop(_KEY, None)  # the old copies go before new ones are made
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype in PACK_DTYPES]
+    _KEPT.pop(model, None)  # the old copies go before new ones are made
+    modules = list(model.modules()) + ([] if head is None else list(head.modules()))
+    linears = list({m: None for m in modules if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+                    and m.weight.dtype in PACK_DTYPES})
     available = _available_bytes()
     if (os.environ.get("STREE_PACK_LINEARS", "1") == "0" or not linears or not torch.backends.mkldnn.is_available()
             or available is not None and sum(m.weight.nbytes for m in linears) > MEMORY_SHARE * available):
@@ -172,10 +174,18 @@ def packed_linears(model, version):
                 plan = plans[key] = _plan(m.weight, m.bias)
             if plan:
                 forwards[m] = _forward(m, *plan)
-    model.__dict__[_KEY] = (version, forwards)
+    _KEPT[model] = (version, forwards)
     return forwards
 
 
+def kept_linears(model):
+    """The packed forwards kept for `model`, or for its base model (what a TreeModel packs), or None."""
+    kept = _KEPT.get(model) or _KEPT.get(getattr(model, "base_model", None) or model)
+    return None if kept is None else kept[1]
+
+
 def drop_packed_linears(model):
-    """Free the packed weights kept on `model` (the next TreeModel pass on it packs again)."""
-    model.__dict__.pop(_KEY, None)
+    """Free the packed weights kept for `model` and its base model (the next TreeModel pass on it packs again)."""
+    for key in (model, getattr(model, "base_model", None)):
+        if key is not None:
+            _KEPT.pop(key, None)

@@ -13,7 +13,7 @@ MIXER_ATTRIBUTES = ("conv", "in_proj", "out_proj", "conv_kernel_size", "layer_id
 
 class ShortConvLayers(SlotLayers):
     """The short-conv mixers of one StateGroup (mixers[j] owns slice j of group.conv); a mixer kind
-    (tree_model.MIXER_KINDS, contract in mamba2.Mamba2Layers).
+    (families.MIXER_KINDS, contract in families.MixerKind).
 
     Buffers over the node slots, per layer j:  bx[j] (batch, capacity, hidden)  the pre-conv B·x
     """

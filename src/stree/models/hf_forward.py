@@ -1,0 +1,51 @@
+"""How a tree pass runs through an HF model: forwards swapped in for the pass, the tree's attention mask, the direct
+forward of attention-free models, and the weights' version."""
+import contextlib
+import itertools
+
+import torch
+
+
+@contextlib.contextmanager
+def swapped(forwards):
+    """Modules' forwards replaced by the given ones ({module: forward}) for the duration of the block. (Written to
+    the instances' __dict__ directly: nn.Module's __setattr__ / __delattr__ would look for a parameter, buffer or
+    submodule of that name first, which costs more than a small model's pass can spare, for the same effect.)"""
+    for module, forward in forwards.items():
+        module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        for module in forwards:
+            del module.__dict__["forward"]
+
+
+def tree_attention_mask(length, rows, tree_mask, batch, capacity, dtype):
+    """The additive 4D mask (batch, 1, R, capacity) of a pass over node slots `rows` (R,): position p is visible
+    to row r if p < length (committed) or p = length + k with k an ancestor of r (tree_mask (batch, slots, slots)
+    bool, the tree's ancestor mask; node slots sit after the committed positions)."""
+    device = rows.device
+    width, slots = rows.shape[0], tree_mask.shape[1]
+    positions = torch.arange(capacity, device=device)
+    allowed = (positions < length).expand(batch, width, -1).clone()
+    tree_cols = (length + torch.arange(slots, device=device)).expand(batch, width, -1)
+    allowed.scatter_(2, tree_cols, tree_mask.index_select(1, rows))
+    return torch.zeros(batch, 1, width, capacity, dtype=dtype, device=device).masked_fill_(
+        ~allowed[:, None], torch.finfo(dtype).min)
+
+
+def blocks_forward(base, tokens):
+    """An attention-free base model's forward over tokens (batch, R), its modules called directly: embeddings,
+    each block (its norm, the swapped-in tree mixer, the residual), the final norm. That is all HF's forward
+    does for these families when nothing is padded; its wrappers (output capture, config defaults, the
+    padding mask) cost a one-layer draft's pass ~0.2-0.3 ms on a CPU."""
+    hidden = base.embeddings(tokens)
+    for block in base.layers:
+        hidden = block(hidden)
+    return base.norm_f(hidden)
+
+
+def weights_version(*modules):
+    """Where every parameter of `modules` lives and how often it was modified in place (an optimizer step,
+    load_state_dict): the mixer adapters are rebuilt when this changes. (Writes through `.data` are not counted.)"""
+    return tuple((p.data_ptr(), p._version) for p in itertools.chain.from_iterable(m.parameters() for m in modules))
