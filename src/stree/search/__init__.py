@@ -1,7 +1,7 @@
-"""Test-time tree search: every strategy's steps generated on batched rows (stree.models.rows.RowBatch, one forward
+"""Test-time tree search: every strategy's steps generated on batched rows (stree.search.rows.RowBatch, one forward
 per token for all branches), allocation rules, answer aggregation, diversity clusters, and synchronous or
 speculative (SpecScale) beam search (strategy "spec_beam")."""
-from ..models.rows import RowBatch, RowState
+from .rows import RowBatch, RowState
 from .allocation import ets_select, rebase_allocation
 from .answers import aggregate_step_scores, weighted_majority_vote
 from .batched import StepDecoder, candidate_generator
