@@ -27,7 +27,7 @@ vary in length within a level, as reasoning steps do: the case speculative execu
 
 Every strategy generates its steps on batched rows (stree.search.batched.StepDecoder: one forward pass per token
 for all live trajectories' branches of a problem). The "sync beam" and "spec beam" rows are strategy "spec_beam"
-(stree.search.beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or speculative); the
+(stree.search.strategies.spec_beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or speculative); the
 "beam" row is the level-synchronous beam of the other strategies (k = sqrt(width)). Throughput is problems/s and
 decoded row-tokens/s (step tok: tokens the decoder drew and fed, after dedup; replayed leaves' tokens not included),
 verifier = requests scored per problem, passes = batched forward passes per problem, critical (spec_beam rows) =
