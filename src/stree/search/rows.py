@@ -59,9 +59,10 @@ class RowBatch:
     prompt's HF cache); every snapshot it makes is tracked so that held_bytes counts what is really kept."""
 
     def __init__(self, model, cache, mask, lengths, logits, hidden, snapshots=None):
-        """cache: an HF cache of B rows (its per-row tensors as CacheSlots: kv_slots, then state_slots); mask (B, W) bool: each row's valid K/V columns; lengths (B,) tokens
-        consumed; logits (B, vocab), hidden (B, hidden) at each row's latest token; snapshots: the WeakSet that
-        tracks the snapshots made (shared with side batches)."""
+        """cache: an HF cache of B rows (its per-row tensors become kv_slots and state_slots, CacheSlots); mask
+        (B, W) bool: each row's valid K/V columns; lengths (B,) tokens consumed; logits (B, vocab), hidden (B,
+        hidden) at each row's latest token; snapshots: the WeakSet that tracks the snapshots made (shared with side
+        batches)."""
         self.model, self.cache = model, cache
         slots = cache_slots(cache)
         self.kv_slots = [s for s in slots if s.is_kv]
