@@ -27,13 +27,13 @@ vary in length within a level, as reasoning steps do: the case speculative execu
 
 Every strategy generates its steps on batched rows (stree.search.batched.StepDecoder: one forward pass per token
 for all live trajectories' branches of a problem). The "sync beam" and "spec beam" rows are strategy "spec_beam"
-(stree.search.beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or speculative); the
-"beam" row is the level-synchronous beam of the other strategies (k = sqrt(width)). Throughput is problems/s and
-decoded row-tokens/s (step tok: tokens the decoder drew and fed, after dedup; replayed leaves' tokens not included),
-verifier = requests scored per problem, passes = batched forward passes per problem, critical (spec_beam rows) =
-the tokens on the longest chain of surviving steps, the fewest passes any schedule that selects the same survivors
-could take (one token per row per pass): synchronous passes / critical bounds what speculation can save in passes
-while keeping synchronous beam's survivors. Memory: peak tree KiB is
+(stree.search.strategies.spec_beam: k = 2 kept, each survivor expanded into width/2 children, synchronous or
+speculative); the "beam" row is the level-synchronous beam of the other strategies (k = sqrt(width)). Throughput is
+problems/s and decoded row-tokens/s (step tok: tokens the decoder drew and fed, after dedup; replayed leaves' tokens
+not included), verifier = requests scored per problem, passes = batched forward passes per problem, critical
+(spec_beam rows) = the tokens on the longest chain of surviving steps, the fewest passes any schedule that selects
+the same survivors could take (one token per row per pass): synchronous passes / critical bounds what speculation
+can save in passes while keeping synchronous beam's survivors. Memory: peak tree KiB is
 TreeMemory's model (what a prefix-sharing tree keeps), peak held KiB what the row engine really kept (the padded
 batch, every row with its own copy of its prefix, plus every live snapshot).
 """

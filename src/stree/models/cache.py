@@ -9,12 +9,12 @@ Two kinds of layer state, keyed by the HF layer index:
 
 During a pass the model's own attention modules call `update(k, v, layer_idx)` as they would on HF's cache; the
 pass first says where the new keys go (`begin_pass`); attention always sees the whole buffer, so no shape depends on
-the sequence length. A StateCache is taken from an HF cache through stree.models.rows.layer_states, the one
-reader of HF cache internals (rows of HF caches for tree search live there too).
+the sequence length. A StateCache is taken from an HF cache through stree.models.hf_cache.layer_states, the one
+reader of HF cache internals.
 """
 import torch
 
-from .rows import layer_states
+from .hf_cache import layer_states
 
 
 class StateGroup:

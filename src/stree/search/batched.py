@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.rows import RowState
+from .rows import RowState
 
 
 SEED_LIMIT = 2 ** 61 - 1  # below it, distinct seeds have distinct hashes (CPython: hash(-1) == hash(-2))

@@ -1,12 +1,12 @@
 """The policy: a causal LM and the rules that cut its output into reasoning steps.
 
-Steps are generated on batched rows (stree.search.batched.StepDecoder over a stree.models.rows.RowBatch): a state
+Steps are generated on batched rows (stree.search.batched.StepDecoder over a stree.search.rows.RowBatch): a state
 is a RowState snapshot; children of a state start from copies of it (forking an SSM state is copying a fixed-size
 tensor; attention layers copy their K/V), so a shared prefix is never re-prefilled.
 """
 import torch
 
-from ..models.rows import RowBatch
+from .rows import RowBatch
 from ..sampling import Sampler
 
 

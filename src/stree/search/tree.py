@@ -2,7 +2,7 @@
 import time
 from dataclasses import dataclass, field
 
-from ..models.rows import nbytes
+from .rows import nbytes
 from .answers import aggregate_step_scores, weighted_majority_vote
 
 
@@ -53,7 +53,7 @@ class TreeMemory:
     """
 
     def __init__(self, root_state):
-        """root_state: the prompt's RowState (stree.models.rows)."""
+        """root_state: the prompt's RowState (stree.search.rows)."""
         self.kv_per_token = nbytes(root_state.kv) / root_state.length
         self.ssm_bytes = nbytes(root_state.states)
         self.prompt_length = root_state.length
