@@ -198,20 +198,6 @@ def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
     torch.testing.assert_close(tree_gated_delta_rule(**dict(inputs, v=permuted), **extras, backend=backend), want)
 
 
-def test_levels_group_nodes_by_depth():
-    """TreeIndex.levels: nodes in order of (depth, row, id), parents' slots one level up, per-row offsets; levels of
-    `nodes` walk each row's accepted path alone."""
-    index = TreeIndex(torch.tensor([[-1, 0, 0, 1], [-1, -1, 1, 2]]))
-    assert index.depth.tolist() == [[0, 1, 1, 2], [0, 0, 1, 2]]
-    levels = index.levels()
-    assert levels.sizes == [3, 3, 2] and levels.width == 3 and levels.row_width == 2
-    assert levels.order.tolist() == [0, 4, 5, 1, 2, 6, 3, 7]
-    assert levels.parent_slot.tolist() == [0, 1, 1, 0, 0, 2, 0, 2]
-    assert levels.offsets.tolist() == [[0, 1, 3], [3, 5, 6], [6, 7, 8]]
-    path = index.levels(torch.tensor([3, -1]))
-    assert path.sizes == [1, 1, 1] and path.order.tolist() == [0, 1, 3] and path.rows.tolist() == [0, 0, 0]
-
-
 def _valid(device="cpu"):
     inputs, extras = make_inputs([[-1, 0, 1]], seed=0, device=device)
     return dict(inputs, **extras)
