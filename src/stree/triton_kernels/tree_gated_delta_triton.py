@@ -36,8 +36,8 @@ _add = tl.standard._sum_combine
 def rows_config(dk, dv, per_channel):
     """Block sizes and warps of the rows kernels (launchers and aot.py read them): BLOCK_J = 16 slots at a time, all
     of Dk, BLOCK_V columns such that the state slice and a slot tile stay near 2048 fp32 values each. Checked with
-    aot.py at Qwen3-Next's and Kimi Linear's shapes (Dk = Dv = 128): about 170 registers and no spill on sm_80 and
-    sm_90 with 4 warps; KDA's per-channel decay tiles need 8 (4 left it at 252 registers on sm_80)."""
+    aot.py at Qwen3-Next's and Kimi Linear's shapes (Dk = Dv = 128): 168 registers and no spill on sm_80 and sm_90
+    with 4 warps; KDA's per-channel decay tiles run with 8 (128 / 188 registers; 4 warps took 252 on sm_80)."""
     block_k = block(dk, hi=1024)
     return dict(BLOCK_J=16, BLOCK_K=block_k, BLOCK_C=block_k if per_channel else 1,
                 BLOCK_V=block(min(dv, 2048 // block_k)), num_warps=8 if per_channel else 4)
@@ -112,8 +112,8 @@ def _rows_program(q_ptr, keys_ptr, gates_ptr, updates_ptr, v_ptr, beta_ptr, stat
                           mask=on_j[:, None] & in_v[None, :], other=0.0).to(tl.float32)
             from_keys += tl.reduce(tl.reduce(weighted * k_i[None, :], 1, _add)[:, None] * u_j, 0, _add)
             from_queries += tl.reduce(tl.reduce(weighted * q_i[None, :], 1, _add)[:, None] * u_j, 0, _add)
-        # (V, 2): what the committed state gives, S0ᵀ(exp(G_i)·k_i) and S0ᵀ(exp(G_i)·q_i) (S0 read from the cache
-        # each row: held across the loop it would cost registers the slot tiles need)
+        # What the committed state gives, S0ᵀ(exp(G_i)·k_i) and S0ᵀ(exp(G_i)·q_i) (S0 read again for each row: held
+        # across the loop it would take registers the slot tiles need)
         S0 = tl.load(state, mask=in_k[:, None] & in_v[None, :], other=0.0).to(tl.float32)
         growth = tl.exp(log_growth)
         from_keys += tl.reduce(S0 * (k_i * growth)[:, None], 0, _add)
