@@ -70,7 +70,7 @@ KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--
 EQUIVALENCE_SIZES = ((16, 64), (5,))                   # trees checked at every real shape (GPU, dry run)
 PYTEST_BUDGET = (60, 90)                               # seconds of step 1's budget pytest may take
 PYTEST_ARGS = (["tests/test_tree_scan.py", "tests/test_tree_conv.py", "tests/test_tree_selective_scan.py",
-                "tests/test_tree_gated_delta.py"],  # every kernel's tests, natively on CUDA
+                "tests/test_tree_gated_delta.py", "tests/test_tree_kda.py"],  # every kernel's tests, natively on CUDA
                ["tests/test_tree_scan.py", "tests/test_tree_conv.py", "-k", "chain_equals_hf"])  # a few, interpreted
 TINY_SHAPE = dict(nheads=4, headdim=16, dstate=16, ngroups=2, conv_width=4, conv_dim=96)
 TOLERANCE = {"float32": 2e-4, "bfloat16": 6e-2, "float16": 2e-2}  # max |error| / max |reference|, as the tests

@@ -4,18 +4,20 @@ round (a root pass, then one extend per level: 3, then 9 nodes, DynamicTree's de
 
     Mamba1 (Jamba-like, dim 8192, N 16)
       kept states  every node's state in a per-slot buffer; a pass walks only its new nodes from their parents'
-                   (stree.models.mamba1.selective_walk, what Mamba1Layers runs)
-      recompute    the level-by-level kernel over every node from the committed state, outputs of the new rows
+                   (stree.triton_kernels.tree_selective_rows, what Mamba1Layers runs)
+      recompute    the node-form op over every node from the committed state, outputs of the new rows
                    (tree_selective_scan(..., rows=new)); nothing kept but the inputs
     Gated DeltaNet (Qwen3.5-like, Hk 16, Hv 32, Dk = Dv 128)
-      UT form      the tree's closed form: k, g and the delta writes u kept per node, one R x R triangular solve
-                   per head (stree.models.gated_delta.delta_rule_rows, what GatedDeltaLayers runs)
+      UT form      the tree's closed form: k, g and the delta writes u kept per node, the new rows solved by
+                   forward substitution (stree.triton_kernels.tree_gated_delta_rows, what GatedDeltaLayers runs)
       kept states  every node's (Hv, Dk, Dv) state kept; a pass walks only its new nodes
-      recompute    the level-by-level kernel over every node (tree_gated_delta_rule(..., rows=new))
+      recompute    the node-form op over every node (tree_gated_delta_rule(..., rows=new)): the UT form from
+                   fresh buffers each pass
 
-Prints milliseconds per pass (median of --reps) and the memory each keeps per node and layer. CPU or CUDA, fp32.
+Prints milliseconds per pass (median of --reps) and the memory each keeps per node and layer. CPU or CUDA, fp32;
+--backend picks the package ops' backend (auto: Triton on CUDA).
 
-    python benchmarks/recurrent_trees.py [--device cuda] [--reps 5]
+    python benchmarks/recurrent_trees.py [--device cuda] [--reps 5] [--backend auto]
 """
 import argparse
 import os
@@ -26,10 +28,8 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 
 import torch  # noqa: E402
 
-from stree.models.gated_delta import PathSums, delta_rule_rows  # noqa: E402
-from stree.models.mamba1 import selective_walk  # noqa: E402
-from stree.triton_kernels import TreeIndex, ancestor_mask, tree_gated_delta_rule, tree_selective_scan  # noqa: E402
-from stree.triton_kernels.tree_gated_delta_torch import _update as delta_update  # noqa: E402
+from stree.triton_kernels import (TreeIndex, tree_gated_delta_rows, tree_gated_delta_rule,  # noqa: E402
+                                  tree_selective_rows, tree_selective_scan)
 
 DRAFT = [1, 3, 9, 9, 9, 9]               # nodes per pass of a draft round (DynamicTree): root, then a level each
 TARGET_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 8, 10, 11, 13, 14]  # 17 nodes, depth 6
@@ -43,6 +43,13 @@ def draft_tree(slots):
         level = list(range(len(parents), len(parents) + width))
         parents += new
     return parents + [-1] * (slots - len(parents))
+
+
+def delta_update(S, k, v, decay, beta):
+    """S (n, H, Dk, Dv) parents' states -> decay * S + k ⊗ beta (v - (decay * S)ᵀ k): one delta-rule step per node.
+    k (n, H, Dk); v (n, H, Dv); decay, beta (n, H)."""
+    S = S * decay[..., None, None]
+    return S + k[..., None] * ((v - torch.matmul(k[..., None, :], S)[..., 0, :]) * beta[..., None])[..., None, :]
 
 
 def levels_of(parents, rows):
@@ -76,7 +83,7 @@ def passes(parents_list, schedule):
     return out
 
 
-def mamba1(device, reps):
+def mamba1(device, reps, backend):
     dim, N, slots = 8192, 16, 64
     g = torch.Generator().manual_seed(0)
     A = -torch.rand(dim, N, generator=g).add_(0.5).to(device)
@@ -90,18 +97,19 @@ def mamba1(device, reps):
         B, C = (torch.randn(1, slots, N, generator=g).to(device) for _ in range(2))
         dt = torch.nn.functional.softplus(dt)
         h0 = torch.randn(1, dim, N, generator=g).to(device)
-        states = torch.zeros(1, slots + 1, dim, N, device=device)
+        states = torch.zeros(1, slots + 1, 1, dim, N, device=device)
         plan = [(rows.to(device), [lv.to(device) for lv in levels]) for rows, levels in passes(parents_list, schedule)]
 
         def kept():
-            states[:, slots] = h0
+            states[:, slots, 0] = h0
             for rows, levels in plan:
-                h = selective_walk(states, parents, rows, levels, dt[:, rows], B[:, rows], x[:, rows], A)
-                torch.matmul(h, C[:, rows, :, None])
+                h = tree_selective_rows(states, index, rows, dt[:, rows, None], B[:, rows, None], x[:, rows, None],
+                                        A[None], levels=levels, backend=backend, validate=False)
+                torch.matmul(h[:, :, 0], C[:, rows, :, None])
 
         def recompute():
             for rows, _ in plan:
-                tree_selective_scan(x, dt, A, B, C, index, initial_states=h0, rows=rows, backend="torch")
+                tree_selective_scan(x, dt, A, B, C, index, initial_states=h0, rows=rows, backend=backend)
 
         results[case] = {"kept states": median_ms(kept, device, reps) / len(plan),
                          "recompute": median_ms(recompute, device, reps) / len(plan)}
@@ -109,14 +117,13 @@ def mamba1(device, reps):
     return results, memory
 
 
-def gated_delta(device, reps):
+def gated_delta(device, reps, backend):
     Hk, Hv, D, slots = 16, 32, 128, 64
     g = torch.Generator().manual_seed(1)
     results = {}
     for case, (parents_list, schedule) in {"draft round": (draft_tree(slots), DRAFT), "target pass": (
             TARGET_PARENTS + [-1] * (slots - len(TARGET_PARENTS)), [len(TARGET_PARENTS)])}.items():
         parents = torch.tensor([parents_list], device=device)
-        mask = ancestor_mask(parents)
         index = TreeIndex(parents)
         q, k = (torch.nn.functional.normalize(torch.randn(1, slots, Hk, D, generator=g), dim=-1).to(device)
                 for _ in range(2))
@@ -130,9 +137,8 @@ def gated_delta(device, reps):
 
         def ut_form():
             for rows, _ in plan:
-                paths = PathSums(mask.index_select(1, rows), mask, torch.float32)
-                delta_rule_rows(q[:, rows] * D ** -0.5, k[:, rows], v[:, rows], gates[:, rows], beta[:, rows], S0,
-                                paths, rows, keys, kept_g, updates)
+                tree_gated_delta_rows(q[:, rows] * D ** -0.5, k[:, rows], v[:, rows], gates[:, rows], beta[:, rows],
+                                      S0, index, rows, keys, kept_g, updates, backend=backend, validate=False)
 
         def kept_states():
             states[:, slots] = S0
@@ -149,7 +155,7 @@ def gated_delta(device, reps):
         def recompute():
             for rows, _ in plan:
                 tree_gated_delta_rule(q, k, v, gates, beta, index, initial_state=S0, use_qk_l2norm=False, rows=rows,
-                                      backend="torch")
+                                      backend=backend)
 
         results[case] = {"UT form": median_ms(ut_form, device, reps) / len(plan),
                          "kept states": median_ms(kept_states, device, reps) / len(plan),
@@ -163,13 +169,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print(f"device {device.type}, torch {torch.__version__}, threads {torch.get_num_threads()}, fp32; ms per pass "
           f"(draft round: {len(DRAFT)} passes of {DRAFT} nodes; target: one pass of {len(TARGET_PARENTS)} nodes)")
     with torch.no_grad():
         for name, run in (("Mamba1, Jamba-like layer", mamba1), ("Gated DeltaNet, Qwen3.5-like layer", gated_delta)):
-            results, memory = run(device, args.reps)
+            results, memory = run(device, args.reps, args.backend)
             print(f"\n{name}")
             print(f"{'method':<14}{'draft pass':>12}{'target pass':>13}{'kept per node':>16}")
             for method in memory:

@@ -5,8 +5,9 @@ The two exact ways to compute a Mamba1 (per-channel A) selective scan over a T-n
                y_i[d] = sum_{k on path(i)} sum_n exp(A[d,n] (s_i[d] - s_k[d])) dt_k[d] x_k[d] B_k[n] C_i[n]
                         + sum_n exp(A[d,n] s_i[d]) h0[d,n] C_i[n] + D[d] x_i[d]
            O(T^2 dim N) work in a few large ops, chunked over dim so a (T, T, chunk, N) block stays ~16 MB;
-  levels   stree.triton_kernels.tree_selective_scan (backend="torch"): all nodes of one depth at once from
-           their parents' states, O(T dim N) work in `depth` sequential steps;
+  levels   stree.triton_kernels.tree_selective_scan (backend="torch"): the engine form (tree_selective_rows) over
+           every node from fresh kept states, all nodes of one level at once from their parents' states, O(T dim N)
+           work in `depth` sequential steps;
   step1    one HF-style single-token decode update (what the tree pass replaces), for scale.
 Both tree methods are checked against each other before timing. Prints a table (ms, fastest of interleaved
 repeats) and writes JSON.

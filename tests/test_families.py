@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import stree
-from loops import gated_delta_loop, path_to, random_rows
+from loops import gated_delta_loop, kda_loop, path_to, random_rows
 from stats import assert_matches, chi_square, chi_square_critical
 from stree.models import TreeModel, tiny_model
 from stree.models.gated_delta import PathSums, delta_rule_rows, delta_rule_states
@@ -29,22 +29,6 @@ FP32_TOL = 2e-5  # HF computes the Mamba1 / gated delta recurrences in fp32 even
 
 
 # ---- the delta-rule tree forms against the naive loops -----------------------------------------------------------
-
-def kda_loop(q, k, v, g, beta, parents, initial_state):
-    """Kimi Delta Attention over a tree, node by node in float64 (HF's recurrent_kimi_delta_attention per node):
-    g (batch, T, H, Dk) per-channel log decays; q, k already normalised, q scaled. Returns (o, states)."""
-    batch, T, H, Dk = k.shape
-    o = torch.zeros(batch, T, H, v.shape[-1], dtype=torch.float64)
-    states = torch.zeros(batch, T, H, Dk, v.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for i in range(T):
-            p = int(parents[b][i])
-            S = (initial_state[b] if p < 0 else states[b, p]) * g[b, i].exp()[..., None]
-            S = S + k[b, i][..., None] * (beta[b, i][:, None] * (v[b, i] - (S * k[b, i][..., None]).sum(-2)))[:, None]
-            states[b, i] = S
-            o[b, i] = (S * q[b, i][..., None]).sum(-2)
-    return o, states
-
 
 @pytest.mark.parametrize("rule", ["gated_delta", "kda"])
 @pytest.mark.parametrize("kind", ["chain", "star", "random", "deep"])
@@ -68,7 +52,7 @@ def test_delta_rule_tree_forms_equal_the_loops(kind, rule):
         want, states = gated_delta_loop(q, k, v, gates, beta, parents.tolist(), initial_state=state)
         rows_fn, states_fn = delta_rule_rows, delta_rule_states
     else:
-        want, states = kda_loop(q * Dk ** -0.5, k, v, gates, beta, parents.tolist(), state)
+        want, states = kda_loop(q, k, v, gates, beta, parents.tolist(), initial_state=state)  # q scaled by Dk^-0.5
         rows_fn, states_fn = kda_rows, kda_states
     mask = ancestor_mask(parents)
     index = TreeIndex.prebuilt(parents, mask)

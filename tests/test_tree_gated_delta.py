@@ -5,7 +5,8 @@ import torch
 
 from loops import BACKENDS, KINDS, gated_delta_loop, path_to, random_rows
 from stree import random_parents
-from stree.triton_kernels import TreeIndex, tree_gated_delta_rule, tree_gated_delta_states
+from stree.triton_kernels import (TreeIndex, l2norm_rsqrt, tree_gated_delta_commit, tree_gated_delta_rows,
+                                  tree_gated_delta_rule, tree_gated_delta_states)
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 HF_MODULES = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
@@ -198,18 +199,114 @@ def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
     torch.testing.assert_close(tree_gated_delta_rule(**dict(inputs, v=permuted), **extras, backend=backend), want)
 
 
-def test_levels_group_nodes_by_depth():
-    """TreeIndex.levels: nodes in order of (depth, row, id), parents' slots one level up, per-row offsets; levels of
-    `nodes` walk each row's accepted path alone."""
-    index = TreeIndex(torch.tensor([[-1, 0, 0, 1], [-1, -1, 1, 2]]))
-    assert index.depth.tolist() == [[0, 1, 1, 2], [0, 0, 1, 2]]
-    levels = index.levels()
-    assert levels.sizes == [3, 3, 2] and levels.width == 3 and levels.row_width == 2
-    assert levels.order.tolist() == [0, 4, 5, 1, 2, 6, 3, 7]
-    assert levels.parent_slot.tolist() == [0, 1, 1, 0, 0, 2, 0, 2]
-    assert levels.offsets.tolist() == [[0, 1, 3], [3, 5, 6], [6, 7, 8]]
-    path = index.levels(torch.tensor([3, -1]))
-    assert path.sizes == [1, 1, 1] and path.order.tolist() == [0, 1, 3] and path.rows.tolist() == [0, 0, 0]
+# ---- engine form: a pass's new rows over kept per-slot buffers, and the commit -------------------------------------
+
+def engine_passes(inputs, extras, passes, capacity, backend, seed):
+    """Drive tree_gated_delta_rows as the engine does: passes [(start, end)] of new nodes over buffers of `capacity`
+    slots that start with garbage (a finished tree's); each pass's index knows the nodes added so far. Returns the
+    outputs of every pass concatenated, the buffers and the last index."""
+    q, k, v, g, beta, parents = (inputs[n] for n in ("q", "k", "v", "g", "beta", "parents"))
+    batch, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    gen = torch.Generator().manual_seed(seed)
+    keys, gates, updates = (torch.randn(batch, capacity, *shape, generator=gen).to(k.device, k.dtype)
+                            for shape in ((Hk, Dk), (Hv,), (Hv, Dv)))
+    qn, kn = l2norm_rsqrt(q.to(k.dtype)) * Dk ** -0.5, l2norm_rsqrt(k)
+    outs = []
+    for start, end in passes:
+        grown = torch.full((batch, capacity), -1, dtype=torch.long, device=k.device)
+        grown[:, :end] = parents[:, :end]
+        index = TreeIndex(grown)
+        new = slice(start, end)
+        outs.append(tree_gated_delta_rows(qn[:, new], kn[:, new], v[:, new].to(k.dtype), g[:, new].to(k.dtype),
+                                          beta[:, new].to(k.dtype), extras["initial_state"], index,
+                                          torch.arange(start, end, device=k.device), keys, gates, updates,
+                                          backend=backend))
+    return torch.cat(outs, 1), (keys, gates, updates), index
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_passes_and_commit_match_loop(backend, kind, device):
+    """A first pass, then three extends (a pass's nodes may hang under each other and anywhere below the earlier
+    ones), over buffers with more slots than the tree, a different tree per batch row and grouped value heads: every
+    pass's outputs are the loop's on the grown tree, and the commit of any node (-1: the committed state) is the
+    loop's state there, for a stack of two layers whose states are strided as the engine's cache holds them."""
+    T, passes = 9, [(0, 1), (1, 4), (4, 5), (5, 9)]
+    layers = [make_inputs(random_rows(kind, T, batch=2, seed=3), seed=s, device=device) for s in (3, 4)]
+    results = [engine_passes(*layer, passes, T + 2, backend, seed=s) for s, layer in enumerate(layers)]
+    loops = [gated_delta_loop(**cpu(inputs), **cpu(extras)) for inputs, extras in layers]
+    for (o, _, _), (o_ref, _) in zip(results, loops):
+        assert_close(o, o_ref, torch.float32)
+    cache = torch.stack([extras["initial_state"] for _, extras in layers], 1)         # (batch, n, Hv, Dk, Dv)
+    buffers = [torch.stack(b) for b in zip(*(r[1] for r in results))]
+    for nodes in ([T - 1, 2], [-1, 5]):
+        states = tree_gated_delta_commit(cache.transpose(0, 1), results[0][2], torch.tensor(nodes, device=device),
+                                         *buffers, backend=backend)
+        for layer, (_, all_states) in enumerate(loops):
+            for b, node in enumerate(nodes):
+                want = layers[layer][1]["initial_state"][b].cpu().double() if node < 0 else all_states[b, node]
+                assert_close(states[layer, b], want, torch.float32)
+
+
+def test_engine_form_float64_torch_is_exact_and_one_node():
+    """fp64 on the torch backend to 1e-10; a tree of one node (T = 1) in one pass."""
+    for T, passes in ((10, [(0, 3), (3, 10)]), (1, [(0, 1)])):
+        inputs, extras = make_inputs(random_rows("random", T, batch=2, seed=T), seed=T, dtype=torch.float64)
+        extras["initial_state"] = extras["initial_state"].double()
+        o, buffers, index = engine_passes(inputs, extras, passes, T, "torch", seed=T)
+        o_ref, all_states = gated_delta_loop(**inputs, **extras)
+        assert_close(o, o_ref, torch.float64)
+        states = tree_gated_delta_commit(extras["initial_state"][None], index, torch.tensor([T - 1, 0]),
+                                         *(t[None] for t in buffers))[0]
+        for b, node in enumerate([T - 1, 0]):
+            assert_close(states[b], all_states[b, node], torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_form_empty(backend, device):
+    """No slots: a pass of no rows gives no outputs and the commit of -1 the committed state."""
+    inputs, extras = make_inputs([[-1]] * 2, device=device)
+    e = {k: v[:, :0] for k, v in inputs.items()}
+    keys, gates, updates = (torch.zeros(2, 0, *shape, device=device) for shape in ((1, 8), (2,), (2, 6)))
+    index = TreeIndex(e["parents"])
+    o = tree_gated_delta_rows(e["q"], e["k"], e["v"], e["g"], e["beta"], extras["initial_state"], index,
+                              torch.arange(0, device=device), keys, gates, updates, backend=backend)
+    assert o.shape == (2, 0, 2, 6)
+    states = tree_gated_delta_commit(extras["initial_state"][None], index, torch.tensor([-1, -1], device=device),
+                                     keys[None], gates[None], updates[None], backend=backend)
+    torch.testing.assert_close(states[0], extras["initial_state"])
+
+
+def _engine_args():
+    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
+    buffers = dict(keys=torch.zeros(1, 3, 1, 8), gates=torch.zeros(1, 3, 2), updates=torch.zeros(1, 3, 2, 6))
+    return dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], g=inputs["g"], beta=inputs["beta"],
+                state=extras["initial_state"], parents=TreeIndex(inputs["parents"]), rows=torch.arange(3), **buffers)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rows=torch.tensor([1, 0, 2])), "pass order"),
+    (dict(rows=torch.tensor([0, 0, 1])), "distinct"),
+    (dict(rows=torch.tensor([0, 1, 3])), "rows must hold node ids"),
+    (dict(k=torch.zeros(1, 3, 1, 7)), "k must have shape"),
+    (dict(keys=torch.zeros(1, 3, 2, 8), updates=torch.zeros(1, 3, 3, 6)), "must divide the value heads"),
+    (dict(beta=torch.zeros(1, 3, 2, dtype=torch.float64)), "compute"),
+])
+def test_engine_form_rejects_bad_input(change, message):
+    args = _engine_args()
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_gated_delta_rows(**args)
+
+
+def test_engine_commit_rejects_bad_nodes_and_shapes():
+    args = _engine_args()
+    buffers = [args[n][None] for n in ("keys", "gates", "updates")]
+    with pytest.raises(ValueError, match="out of range"):
+        tree_gated_delta_commit(args["state"][None], args["parents"], torch.tensor([3]), *buffers)
+    with pytest.raises(ValueError, match="state must have shape"):
+        tree_gated_delta_commit(args["state"], args["parents"], torch.tensor([0]), *buffers)
 
 
 def _valid(device="cpu"):

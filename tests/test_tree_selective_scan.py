@@ -4,7 +4,8 @@ from transformers.models.mamba.modeling_mamba import mamba_selective_scan, mamba
 
 from loops import BACKENDS, KINDS, path_to, random_rows, selective_scan_loop
 from stree import random_parents
-from stree.triton_kernels import TreeIndex, tree_selective_scan, tree_selective_states
+from stree.triton_kernels import TreeIndex, tree_selective_rows, tree_selective_scan, tree_selective_states
+from stree.triton_kernels.tree_selective_scan_torch import row_levels
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
@@ -191,6 +192,99 @@ def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
                                                    validate=False), want)
     permuted = inputs["x"].transpose(0, 2).contiguous().transpose(0, 2)  # same values, other strides
     torch.testing.assert_close(tree_selective_scan(**dict(inputs, x=permuted), **extras, backend=backend), want)
+
+
+# ---- engine form: a pass's new rows over kept per-slot states -------------------------------------------------------
+
+def engine_inputs(parents_rows, heads=2, head_dim=3, N=5, seed=0, dtype=torch.float32, device="cpu"):
+    """Zamba-like per-head inputs (B per head): dt after softplus, x, B (batch, T, heads, ...), A (heads, head_dim,
+    N), the committed state h0 (batch, heads, head_dim, N)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, T = len(parents_rows), len(parents_rows[0])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    return dict(dt=torch.nn.functional.softplus(rnd(batch, T, heads, head_dim)), x=rnd(batch, T, heads, head_dim),
+                B=rnd(batch, T, heads, N), A=-torch.rand(heads, head_dim, N, generator=g).add(0.5).to(device, dtype),
+                h0=rnd(batch, heads, head_dim, N), parents=torch.tensor(parents_rows, device=device))
+
+
+def loop_states(case):
+    """The naive loop's state after every node (batch, T, heads, head_dim, N), one head at a time."""
+    c = cpu(case)
+    per_head = [selective_scan_loop(c["x"][:, :, h], c["dt"][:, :, h], c["A"][h], c["B"][:, :, h], c["B"][:, :, h],
+                                    c["parents"].tolist(), initial_states=c["h0"][:, h])[1]
+                for h in range(c["A"].shape[0])]
+    return torch.stack(per_head, 2)
+
+
+def run_passes(case, passes, capacity, backend, engine_levels, seed=0):
+    """tree_selective_rows as the engine drives it: passes [(start, end)] over kept states of capacity + 1 slots that
+    start with garbage, the committed state in the last one. Returns every pass's states concatenated and the
+    buffer."""
+    batch, T = case["parents"].shape
+    device = case["x"].device
+    gen = torch.Generator().manual_seed(seed)
+    states = torch.randn(batch, capacity + 1, *case["A"].shape, generator=gen).to(device, case["x"].dtype)
+    states[:, capacity] = case["h0"]
+    outs = []
+    for start, end in passes:
+        grown = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        grown[:, :end] = case["parents"][:, :end]
+        index, rows = TreeIndex(grown), torch.arange(start, end, device=device)
+        levels = row_levels(index.mask, rows) if engine_levels else None
+        outs.append(tree_selective_rows(states, index, rows, *(case[n][:, start:end] for n in ("dt", "B", "x")),
+                                        case["A"], levels=levels, backend=backend))
+    return torch.cat(outs, 1), states
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_passes_match_loop(backend, kind, device):
+    """A first pass, then three extends over kept states with more slots than the tree and a different tree per
+    batch row, two heads with their own B (Zamba's layout): every pass's states are the loop's on the grown tree, and
+    the kept state of any node (the commit's copy; -1: the committed state, in the last slot) is the loop's."""
+    T, passes = 9, [(0, 1), (1, 4), (4, 5), (5, 9)]
+    case = engine_inputs(random_rows(kind, T, batch=2, seed=3), seed=3, device=device)
+    got, states = run_passes(case, passes, T + 2, backend, engine_levels=kind == "deep")
+    want = loop_states(case)
+    assert got.shape == want.shape
+    assert_close(got, want, torch.float32)
+    for node in (T - 1, 3, -1):
+        for b in range(2):
+            assert_close(states[b, node], case["h0"][b].double().cpu() if node < 0 else want[b, node], torch.float32)
+
+
+def test_engine_form_float64_torch_is_exact_one_node_and_empty():
+    """fp64 on the torch backend to 1e-10; a tree of one node; a pass of no rows."""
+    for T, passes in ((10, [(0, 3), (3, 10)]), (1, [(0, 1)])):
+        case = engine_inputs(random_rows("random", T, batch=2, seed=T), seed=T, dtype=torch.float64)
+        got, _ = run_passes(case, passes, T, "torch", engine_levels=False)
+        assert_close(got, loop_states(case), torch.float64)
+    case = engine_inputs([[-1]] * 2)
+    states = torch.zeros(2, 1, *case["A"].shape)
+    empty = tree_selective_rows(states, TreeIndex(case["parents"][:, :0]), torch.arange(0),
+                                *(case[n][:, :0] for n in ("dt", "B", "x")), case["A"])
+    assert empty.shape == (2, 0, 2, 3, 5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rows=torch.tensor([1, 0, 2])), "pass order"),
+    (dict(rows=torch.tensor([0, 0])), "distinct"),
+    (dict(dt=torch.zeros(1, 3, 2, 4)), "dt must have shape"),
+    (dict(A=torch.zeros(2, 3, 5, dtype=torch.float64)), "one compute dtype"),
+    (dict(states=torch.zeros(1, 5, 2, 3, 5)), "TreeIndex is for trees of shape"),
+])
+def test_engine_form_rejects_bad_input(change, message):
+    case = engine_inputs([[-1, 0, 1]])
+    args = dict(states=torch.zeros(1, 4, 2, 3, 5), parents=TreeIndex(case["parents"]), rows=torch.arange(3),
+                dt=case["dt"], B=case["B"], x=case["x"], A=case["A"])
+    args.update(change)
+    if args["rows"].numel() != 3:
+        args.update({n: args[n][:, :args["rows"].numel()] for n in ("dt", "B", "x")})
+    with pytest.raises(ValueError, match=message):
+        tree_selective_rows(**args)
 
 
 def _valid(device="cpu"):

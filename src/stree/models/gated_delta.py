@@ -22,16 +22,19 @@ delta rule with the causal mask replaced by the tree's. So a pass needs no level
 state: it keeps k, g and u of every node (a few vectors per node, not a Dk x Dv state per head), solves only its
 new rows (one R x R triangular solve per head; their old ancestors enter the right-hand side), reads S0 once, and
 has fixed shapes with no host synchronisation. Decays are sums of g over path(i) minus path(j) taken as exact
-segment sums (a 0/1 matmul), not as differences of prefix sums. The commit is the same closed form for the
-accepted node: one masked batched matmul per group. Memory per node and layer: k (Hk x Dk), u (Hv x Dv) and g
-(Hv) in the compute dtype plus the pre-conv q|k|v in the model dtype.
+segment sums, not as differences of prefix sums. The commit is the same closed form for the accepted node. Both
+run as the package's ops, stree.triton_kernels.tree_gated_delta_rows / tree_gated_delta_commit (backend "auto":
+the Triton kernels for CUDA tensors, PyTorch otherwise). Memory per node and layer: k (Hk x Dk), u (Hv x Dv) and
+g (Hv) in the compute dtype plus the pre-conv q|k|v in the model dtype.
 """
 import torch
 import torch.nn.functional as F
 
 from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
-from ..triton_kernels.tree_gated_delta import l2norm
-from ..triton_kernels.utils import as_dtype, compute_dtype
+from ..triton_kernels import tree_gated_delta_commit, tree_gated_delta_rows
+from ..triton_kernels.norms import l2norm_rsqrt
+from ..triton_kernels.tree_gated_delta_torch import delta_rule_rows, delta_rule_states  # noqa: F401 (moved there)
+from ..triton_kernels.utils import PathSums, as_dtype, compute_dtype  # noqa: F401 (PathSums moved there)
 
 MIXER_ATTRIBUTES = ("A_log", "dt_bias", "conv1d", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                     "layer_idx")
@@ -61,71 +64,6 @@ def projections(mixer, hidden_states):
 def output_modules(mixer):
     """(gated norm, output projection) of the mixer."""
     return (mixer.o_norm, mixer.o_proj) if hasattr(mixer, "o_norm") else (mixer.norm, mixer.out_proj)
-
-
-class PathSums:
-    """What the decays of a set of query nodes need from the tree, the same for every layer of a pass.
-
-    on_path (batch, Q, T) bool: the queries' ancestor-mask rows; mask (batch, T, T) bool: every slot's. decays(g)
-    gives exp(G_i - G_j) for j on path(i) (0 elsewhere) and exp(G_i): G_i - G_j is the sum of g over path(i) minus
-    path(j), a 0/1 matmul with `segments` and no cancellation (garbage where j is off path(i), zeroed).
-    """
-
-    def __init__(self, on_path, mask, dtype):
-        self.on = on_path.to(dtype)
-        self.segments = self.on[:, :, None, :] - mask.to(dtype)[:, None]                  # (batch, Q, T, T)
-        self.off = ~on_path[..., None]                                                    # (batch, Q, T, 1)
-
-    def decays(self, gates):
-        """gates (..., batch, T, H) -> weights (..., batch, H, Q, T), growth (..., batch, H, Q)."""
-        diff = torch.matmul(self.segments, gates[..., None, :, :])                        # (..., batch, Q, T, H)
-        weights = diff.masked_fill_(self.off, 0.0).exp_().masked_fill_(self.off, 0.0)
-        return weights.movedim(-1, -3), torch.matmul(self.on, gates).exp_().transpose(-1, -2)
-
-
-def delta_rule_rows(q, k, v, g, beta, state, paths, rows, keys, gates, updates):
-    """The gated delta rule for a pass's new nodes `rows` (R,) on top of the committed `state`, exact on any tree.
-
-    q, k (batch, R, Hk, Dk) normalised (q scaled); v (batch, R, Hv, Dv); g, beta (batch, R, Hv); state (batch, Hv,
-    Dk, Dv); all in one compute dtype. paths: the rows' PathSums over all T slots. keys (batch, T, Hk, Dk), gates
-    (batch, T, Hv), updates (batch, T, Hv, Dv): every slot's kept k, g and u; the rows' entries are written here.
-    Value head h reads key head h // (Hv // Hk) (HF's repeat_interleave), here by broadcasting (batch, Hk, G, ...).
-    Returns o (batch, R, Hv, Dv).
-    """
-    batch, R, Hk, Dk = k.shape
-    Hv = v.shape[2]
-    keys.index_copy_(1, rows, k)
-    gates.index_copy_(1, rows, g)
-    updates.index_fill_(1, rows, 0.0)  # unknown yet: the sums below see only the rows' old ancestors
-    weights, growth = paths.decays(gates)                                              # (batch, Hv, R, T), (.., R)
-    weights = weights.unflatten(1, (Hk, -1))                                          # (batch, Hk, G, R, T)
-    qk = torch.cat([q, k], dim=1).transpose(1, 2)                                     # (batch, Hk, 2R, Dk)
-    # What the committed state gives each row, S0ᵀq and S0ᵀk: one read of the state.
-    from_state = torch.matmul(qk[:, :, None], state.unflatten(1, (Hk, -1))).view(batch, Hv, 2, R, -1)
-    from_state = from_state * growth[:, :, None, :, None]
-    scores = torch.matmul(qk, keys.permute(0, 2, 3, 1))[:, :, None]                   # (batch, Hk, 1, 2R, T)
-    beta_h = beta.transpose(1, 2)[..., None]                                          # (batch, Hv, R, 1)
-    coupling = (scores[..., R:, :] * weights).flatten(1, 2) * beta_h                  # beta_i e^(G_i-G_j) k_i·k_j
-    rhs = beta_h * (v.transpose(1, 2) - from_state[:, :, 1]) - torch.matmul(coupling, updates.transpose(1, 2))
-    # The rows among themselves: strictly lower triangular in pass order (a parent precedes its children).
-    new = torch.linalg.solve_triangular(coupling.index_select(3, rows), rhs, upper=False, unitriangular=True)
-    updates.index_copy_(1, rows, new.transpose(1, 2))
-    out = from_state[:, :, 0] + torch.matmul((scores[..., :R, :] * weights).flatten(1, 2), updates.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
-def delta_rule_states(state, index, nodes, keys, gates, updates):
-    """States after path(nodes[b]) for a stack of layers: exp(G_a)·S0 + sum_j exp(G_a - G_j) k_j ⊗ u_j.
-
-    state (n, batch, Hv, Dk, Dv); keys (n, batch, T, Hk, Dk), gates (n, batch, T, Hv), updates (n, batch, T, Hv,
-    Dv) as delta_rule_rows left them; index: the TreeIndex over the T slots; nodes (batch,), -1 = nothing accepted
-    (the state comes back). Returns (n, batch, Hv, Dk, Dv) in the compute dtype."""
-    n, batch, T, Hk, Dk = keys.shape
-    Hv = updates.shape[3]
-    on_path = index.mask[torch.arange(batch, device=nodes.device), nodes.clamp(min=0)] & (nodes >= 0)[:, None]
-    weights, growth = PathSums(on_path[:, None], index.mask, gates.dtype).decays(gates)  # (n, batch, Hv, 1, T)
-    weighted = keys.permute(0, 1, 3, 4, 2)[:, :, :, None] * weights.unflatten(2, (Hk, -1))  # (n, b, Hk, G, Dk, T)
-    return state.to(gates.dtype) * growth[..., None] + torch.matmul(weighted.flatten(2, 3), updates.transpose(2, 3))
 
 
 class GatedDeltaLayers(SlotLayers):
@@ -167,14 +105,10 @@ class GatedDeltaLayers(SlotLayers):
         qkv = conv_rows(self.qkv[j], qkv, m.conv1d, m.activation, tree_pass, conv_state)
         q, k, v = qkv.split([self.Hk * self.Dk, self.Hk * self.Dk, self.Hv * self.Dv], dim=-1)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
-        q, k = (l2norm(as_dtype(t.reshape(batch, R, self.Hk, self.Dk), cd)) for t in (q, k))
-        paths = tree_pass.shared.get("path_sums")
-        if paths is None:  # the same for every layer of the pass
-            paths = tree_pass.shared["path_sums"] = PathSums(tree_pass.index.mask.index_select(1, tree_pass.rows),
-                                                             tree_pass.index.mask, cd)
-        out = delta_rule_rows(q * self.Dk ** -0.5, k, as_dtype(v.reshape(batch, R, self.Hv, self.Dv), cd),
-                              as_dtype(g, cd), as_dtype(beta, cd), as_dtype(recurrent_state, cd), paths,
-                              tree_pass.rows, self.k[j], self.g[j], self.u[j])
+        q, k = (l2norm_rsqrt(as_dtype(t.reshape(batch, R, self.Hk, self.Dk), cd)) for t in (q, k))
+        out = tree_gated_delta_rows(q * self.Dk ** -0.5, k, as_dtype(v.reshape(batch, R, self.Hv, self.Dv), cd),
+                                    as_dtype(g, cd), as_dtype(beta, cd), recurrent_state, tree_pass.index,
+                                    tree_pass.rows, self.k[j], self.g[j], self.u[j], validate=False)
         norm, out_proj = output_modules(m)
         out = norm(as_dtype(out, hidden_states.dtype).reshape(-1, self.Dv), z.reshape(-1, self.Dv))
         return out_proj(out.reshape(batch, R, -1))
@@ -185,6 +119,6 @@ class GatedDeltaLayers(SlotLayers):
         n, recurrent = len(self.mixers), self.group.recurrent
         batch = recurrent.shape[0]
         state = recurrent.view(batch, n, self.Hv, self.Dk, self.Dv).transpose(0, 1)
-        states = delta_rule_states(state, index, nodes, self.k, self.g, self.u)
+        states = tree_gated_delta_commit(state, index, nodes, self.k, self.g, self.u, validate=False)
         recurrent.copy_(states.transpose(0, 1).reshape(recurrent.shape))
         commit_conv(self.group, self.qkv, index, nodes)

@@ -8,72 +8,26 @@ norm with g_b_proj(g_a_proj(x)), o_proj. The forget gate and the norm run as the
 The tree form is gated_delta's UT form with per-channel decays (G_i the sum of g along path(i), per channel):
 
     S_i = diag(exp(G_i))·S0 + sum_{j on path(i)} (exp(G_i - G_j) ⊙ k_j) ⊗ u_j
-    u_i = beta_i·(v_i - S0ᵀ(exp(G_i) ⊙ k_i)) - beta_i·sum_{j on path(i), j != i} ((exp(G_i - G_j) ⊙ k_j)·k_i)·u_j
+    u_i = beta_i·(v_i - S0ᵀ(exp(G_i) ⊙ k_i)) - beta_i·sum_{j on path(i), j != i} ((exp(G_i-G_j) ⊙ k_j)·k_i)·u_j
     o_i = S0ᵀ(exp(G_i) ⊙ q_i) + sum_{j on path(i)} ((exp(G_i - G_j) ⊙ k_j)·q_i)·u_j
 
 so a pass keeps k, g (Dk per head) and u per node, solves only its new rows and reads S0 once; the decays are
-exact segment sums (PathSums over heads x channels), the couplings a (R x T x Dk) reduction per head.
+exact segment sums. Both run as the package's ops, stree.triton_kernels.tree_kda_rows / tree_kda_commit (backend
+"auto": the Triton kernels for CUDA tensors, PyTorch otherwise); q and k are normalised with HF's KDA l2norm
+(norms.l2norm_divide, not Gated DeltaNet's rsqrt form).
 """
 import torch
 
-from .gated_delta import PathSums
 from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
+from ..triton_kernels import tree_kda_commit, tree_kda_rows
+from ..triton_kernels.norms import L2NORM_EPS, l2norm_divide  # noqa: F401 (L2NORM_EPS: moved there)
+from ..triton_kernels.tree_kda_torch import channel_decays, kda_rows, kda_states  # noqa: F401 (moved there)
 from ..triton_kernels.utils import as_dtype, compute_dtype
+
+l2norm = l2norm_divide  # HF's KDA l2norm (norms.py), kept importable here
 
 MIXER_ATTRIBUTES = ("forget_gate", "q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "conv1d",
                     "o_norm", "o_proj", "num_heads", "head_dim", "layer_idx")
-L2NORM_EPS = 1e-6
-
-
-def l2norm(x):
-    """HF's KDA l2norm: x / sqrt(sum(x^2) + eps) (the gated delta rule's multiplies by rsqrt)."""
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def channel_decays(paths, gates):
-    """gates (..., batch, T, H, Dk) -> weights (..., batch, H, Dk, Q, T) and growth (..., batch, H, Dk, Q)."""
-    H = gates.shape[-2]
-    weights, growth = paths.decays(gates.flatten(-2))
-    return weights.unflatten(-3, (H, -1)), growth.unflatten(-2, (H, -1))
-
-
-def kda_rows(q, k, v, g, beta, state, paths, rows, keys, gates, updates):
-    """KDA for a pass's new nodes `rows` (R,) on top of the committed `state`, exact on any tree.
-
-    q, k (batch, R, H, Dk) normalised (q scaled); v (batch, R, H, Dv); g (batch, R, H, Dk); beta (batch, R, H);
-    state (batch, H, Dk, Dv); all in one compute dtype. paths: the rows' PathSums over all T slots. keys, gates
-    (batch, T, H, Dk), updates (batch, T, H, Dv): every slot's kept k, g and u; the rows' entries are written here.
-    Returns o (batch, R, H, Dv).
-    """
-    keys.index_copy_(1, rows, k)
-    gates.index_copy_(1, rows, g)
-    updates.index_fill_(1, rows, 0.0)  # unknown yet: the sums below see only the rows' old ancestors
-    weights, growth = channel_decays(paths, gates)                                    # (b, H, Dk, R, T), (.., R)
-    qk = torch.stack([q, k], dim=2).permute(0, 3, 2, 1, 4)                           # (batch, H, 2, R, Dk)
-    from_state = torch.matmul((qk * growth.transpose(-1, -2)[:, :, None]).flatten(2, 3), state)  # (b, H, 2R, Dv)
-    from_state = from_state.unflatten(2, (2, -1))
-    # scores[b, h, s, i, j] = sum_d qk_i[d] k_j[d] exp(G_i - G_j)[d]
-    scores = torch.einsum("bhsid,bjhd,bhdij->bhsij", qk, keys, weights)
-    beta_h = beta.transpose(1, 2)[..., None]                                          # (batch, H, R, 1)
-    coupling = scores[:, :, 1] * beta_h
-    rhs = beta_h * (v.transpose(1, 2) - from_state[:, :, 1]) - torch.matmul(coupling, updates.transpose(1, 2))
-    new = torch.linalg.solve_triangular(coupling.index_select(3, rows), rhs, upper=False, unitriangular=True)
-    updates.index_copy_(1, rows, new.transpose(1, 2))
-    out = from_state[:, :, 0] + torch.matmul(scores[:, :, 0], updates.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
-def kda_states(state, index, nodes, keys, gates, updates):
-    """States after path(nodes[b]) for a stack of layers: diag(exp(G_a))·S0 + sum_j (exp(G_a - G_j) ⊙ k_j) ⊗ u_j.
-    state (n, batch, H, Dk, Dv); keys, gates (n, batch, T, H, Dk), updates (n, batch, T, H, Dv); nodes (batch,),
-    -1 = nothing accepted. Returns (n, batch, H, Dk, Dv) in the compute dtype."""
-    batch = nodes.shape[0]
-    on_path = index.mask[torch.arange(batch, device=nodes.device), nodes.clamp(min=0)] & (nodes >= 0)[:, None]
-    weights, growth = channel_decays(PathSums(on_path[:, None], index.mask, gates.dtype), gates)
-    weighted = keys.permute(0, 1, 3, 4, 2) * weights[..., 0, :]                      # (n, batch, H, Dk, T)
-    return state.to(gates.dtype) * growth + torch.matmul(weighted, updates.transpose(2, 3))
-
-
 class KimiDeltaLayers(SlotLayers):
     """The KDA mixers of one StateGroup (mixers[j] owns slice j of group.conv / group.recurrent); a mixer kind
     (tree_model.MIXER_KINDS, contract in mamba2.Mamba2Layers).
@@ -110,14 +64,10 @@ class KimiDeltaLayers(SlotLayers):
         qkv = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
         qkv = conv_rows(self.qkv[j], qkv, m.conv1d, m.activation, tree_pass, conv_state)
         q, k, v = (as_dtype(t.reshape(batch, R, self.H, self.D), cd) for t in qkv.chunk(3, dim=-1))
-        q, k = l2norm(q), l2norm(k)
-        paths = tree_pass.shared.get("path_sums")
-        if paths is None:  # the same for every layer of the pass (and gated_delta's layers)
-            paths = tree_pass.shared["path_sums"] = PathSums(tree_pass.index.mask.index_select(1, tree_pass.rows),
-                                                             tree_pass.index.mask, cd)
-        out = kda_rows(q * self.D ** -0.5, k, v, as_dtype(m.forget_gate(hidden_states), cd),
-                       as_dtype(m.b_proj(hidden_states).sigmoid(), cd), as_dtype(recurrent_state, cd), paths,
-                       tree_pass.rows, self.k[j], self.g[j], self.u[j])
+        q, k = l2norm_divide(q), l2norm_divide(k)
+        out = tree_kda_rows(q * self.D ** -0.5, k, v, as_dtype(m.forget_gate(hidden_states), cd),
+                            as_dtype(m.b_proj(hidden_states).sigmoid(), cd), recurrent_state, tree_pass.index,
+                            tree_pass.rows, self.k[j], self.g[j], self.u[j], validate=False)
         gate = m.g_b_proj(m.g_a_proj(hidden_states)).view(batch, R, self.H, self.D)
         return m.o_proj(m.o_norm(as_dtype(out, hidden_states.dtype), gate).reshape(batch, R, -1))
 
@@ -126,6 +76,6 @@ class KimiDeltaLayers(SlotLayers):
         n, recurrent = len(self.mixers), self.group.recurrent
         batch = recurrent.shape[0]
         state = recurrent.view(batch, n, self.H, self.D, self.D).transpose(0, 1)
-        states = kda_states(state, index, nodes, self.k, self.g, self.u)
+        states = tree_kda_commit(state, index, nodes, self.k, self.g, self.u, validate=False)
         recurrent.copy_(states.transpose(0, 1).reshape(recurrent.shape))
         commit_conv(self.group, self.qkv, index, nodes)

@@ -16,15 +16,17 @@ Kept states. A per-channel decay has no cheap masked closed form (T x T x dim x 
 16-32 nodes, benchmarks/selective_scan_methods.py), so every node's state is kept in a per-slot buffer: a pass
 computes only its new nodes from their parents' kept states (an extend, one new level, is a single batched update)
 and the commit copies the accepted node's state (no replay). The new nodes of one pass can form chains (the
-target's verify pass holds the whole tree): they are walked level by level (TreePass.levels, built on the host),
-each level's nodes at once from their parents' kept states, so a pass costs one update per new node plus a few
-operations per level. Memory: (capacity + 1) x dim x N states per layer in the state's dtype (HF keeps fp32;
+target's verify pass holds the whole tree): the package's stree.triton_kernels.tree_selective_rows walks them, on
+CUDA as a Triton kernel row by row in pass order, elsewhere level by level in PyTorch (TreePass.levels, built on
+the host), each level's nodes at once from their parents' kept states; a pass costs one update per new node. Memory: (capacity + 1) x dim x N states per layer in the state's dtype (HF keeps fp32;
 Jamba-1.5-Mini, dim 8192, N 16: 512 KB per node and layer).
 """
 import torch
 import torch.nn.functional as F
 
 from .slots import SlotLayers, check_silu_conv, commit_conv, conv_rows
+from ..triton_kernels import tree_selective_rows
+from ..triton_kernels.tree_selective_scan_torch import selective_walk  # noqa: F401 (moved there)
 from ..triton_kernels.utils import as_dtype, compute_dtype
 
 MIXER_ATTRIBUTES = ("A_log", "D", "conv1d", "in_proj", "out_proj", "time_step_rank", "ssm_state_size",
@@ -59,31 +61,6 @@ def dt_bias(mixer):
     """(dim,) fp32 or None: HF's time_proj_bias."""
     bias = mixer.dt_proj_bias if hasattr(mixer, "dt_proj_bias") else mixer.dt_proj.bias
     return None if bias is None else bias.float().reshape(-1)
-
-
-def selective_walk(states, parents, rows, levels, dt, B, x, A):
-    """Mamba1's recurrence for a pass's new nodes, level by level, each from its parent's kept state.
-
-    states (batch, slots, heads, head_dim, N): every node's kept state, the committed one in the last slot (the
-    roots' parent); parents (batch, slots) the tree's; rows (R,) the new nodes; levels: positions into rows
-    grouped by level (TreePass.levels); dt (softplus applied) and x (batch, R, heads, head_dim), B (batch, R, heads,
-    N) in the compute dtype; A (heads, head_dim, N). h = h_parent · exp(dt·A) + (dt·B)·x, HF's decode step. Writes
-    the rows' states into `states` and returns them (batch, R, heads, head_dim, N) in its dtype.
-    """
-    batch, slots = states.shape[:2]
-    shape = states.shape[2:]
-    offsets = torch.arange(batch, device=states.device)[:, None] * slots
-    up = parents.index_select(1, rows)
-    up = torch.where(up >= 0, up, slots - 1) + offsets                                    # (batch, R) flat slots
-    targets = rows[None] + offsets
-    flat = states.view(batch * slots, *shape)
-    for level in levels:                                                                  # (W,) pass positions
-        dt_l = dt.index_select(1, level)[..., None]                                       # (batch, W, G, hd, 1)
-        h = flat.index_select(0, up.index_select(1, level).reshape(-1)).view(batch, -1, *shape)
-        h = as_dtype(h, dt.dtype) * torch.exp(dt_l * A) + (dt_l * B.index_select(1, level)[:, :, :, None, :]) * \
-            x.index_select(1, level)[..., None]
-        flat.index_copy_(0, targets.index_select(1, level).reshape(-1), as_dtype(h, flat.dtype).reshape(-1, *shape))
-    return flat.index_select(0, targets.reshape(-1)).view(batch, -1, *shape)
 
 
 class Mamba1Layers(SlotLayers):
@@ -137,9 +114,10 @@ class Mamba1Layers(SlotLayers):
         dt = F.softplus(dt)
         H = self.h[j]
         H[:, H.shape[1] - 1] = ssm_state
-        h = selective_walk(H.view(*H.shape[:2], G, -1, self.N), tree_pass.index.parents, tree_pass.rows,
-                           tree_pass.levels, as_dtype(dt, cd).unflatten(-1, (G, -1)), as_dtype(B, cd),
-                           as_dtype(x, cd).unflatten(-1, (G, -1)), self.A[j])             # (batch, R, G, hd, N)
+        h = tree_selective_rows(H.view(*H.shape[:2], G, -1, self.N), tree_pass.index, tree_pass.rows,
+                                as_dtype(dt, cd).unflatten(-1, (G, -1)), as_dtype(B, cd),
+                                as_dtype(x, cd).unflatten(-1, (G, -1)), self.A[j], levels=tree_pass.levels,
+                                validate=False)                                   # (batch, R, G, hd, N)
         y = torch.matmul(h.to(C.dtype), C[..., None]).flatten(2)                           # (batch, R, dim)
         y = (y + x * self.D[j]) * F.silu(z)
         return m.out_proj(y.to(dtype))

@@ -45,7 +45,7 @@ def _mamba2(nheads, headdim, dstate, ngroups, conv_width=4):
                 conv_dim=nheads * headdim + 2 * ngroups * dstate)
 
 
-# One layer of each supported family. Mamba2 fields: nheads, headdim, dstate, ngroups; Mamba1 and Gated DeltaNet
+# One layer of each supported family. Mamba2 fields: nheads, headdim, dstate, ngroups; Mamba1, Gated DeltaNet and KDA
 # layers use HF's config names; conv_width taps over conv_dim channels (HF keeps conv_width state columns).
 MODEL_SHAPES = {
     # state-spaces/mamba2-130m config.json (d_model 768; ssm_cfg: layer Mamba2) with mamba_ssm's Mamba2 defaults
@@ -77,6 +77,10 @@ MODEL_SHAPES = {
     # linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4 (conv over q, k, v).
     "qwen3-next-80b-a3b": dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                                linear_value_head_dim=128, conv_width=4, conv_dim=2 * 16 * 128 + 32 * 128),
+    # KDA: moonshotai/Kimi-Linear-48B-A3B (linear_attn_config: num_heads 32, head_dim 128, short_conv_kernel_size
+    # 4), which are also HF's KimiLinearConfig defaults (linear_num_heads 32, linear_head_dim 128,
+    # linear_conv_kernel_dim 4); the conv runs over q, k and v.
+    "kimi-linear-48b-a3b": dict(linear_num_heads=32, linear_head_dim=128, conv_width=4, conv_dim=3 * 32 * 128),
 }
 TREE_SIZES = (1, 16, 64, 128)  # the decoder's largest tree is ~64 nodes
 

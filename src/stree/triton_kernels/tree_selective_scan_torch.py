@@ -1,52 +1,48 @@
-"""PyTorch reference of the Mamba1 tree selective scan: the exact level-by-level recurrence (also the CPU path).
+"""PyTorch path of the Mamba1 tree walk over kept per-slot states (the CPU path): the new rows level by level.
 
-Every node of one depth is updated at once from its parent's state (utils.walk_levels), in the order of HF's
-single-token update (``mamba_selective_state_update``): h = h_parent * exp(dt*A) + (dt*B) * x, y = h @ C.
-Inputs are already validated, and dt already processed, by tree_selective_scan.py.
+Inputs are already validated, and dt processed, by tree_selective_scan.py. A level's rows are updated at once from
+their parents' kept states, in the order of HF's single-token update (``mamba_selective_state_update``):
+h = h_parent * exp(dt*A) + (dt*B) * x.
 """
 import torch
-import torch.nn.functional as F
 
-from .utils import gather_rows, states_or_zeros, walk_levels
-
-
-def _update(h, dt, x, B, A):
-    """h (n, dim, N) parents' states, updated in place: h * exp(dt*A) + (dt*B) * x. dt, x (n, dim); B (n, N)."""
-    return h.mul_((dt[..., None] * A).exp_()).add_((dt[..., None] * B[:, None, :]).mul_(x[..., None]))
+from .utils import as_dtype
 
 
-def tree_selective_scan(x, dt, A, B, C, index, *, D=None, z=None, initial_states=None, rows=None):
-    """See tree_selective_scan.tree_selective_scan (index: a utils.TreeIndex; dt processed, in the compute dtype;
-    rows None or (batch, R)). Returns y (batch, T or R, dim) in x.dtype."""
-    cd = dt.dtype
-    batch, T, dim = x.shape
-    levels = index.levels()
-    xs, dts, Bs, Cs = (levels.gather(t, cd) for t in (x, dt, B, C))
-    A = A.to(cd)
-    ys = torch.empty(len(levels.order), dim, dtype=cd, device=x.device)
+def selective_walk(states, parents, rows, levels, dt, B, x, A):
+    """Mamba1's recurrence for a pass's new nodes, level by level, each from its parent's kept state.
 
-    def step(start, end, h):
-        h = _update(h, dts[start:end], xs[start:end], Bs[start:end], A)
-        ys[start:end] = torch.matmul(h, Cs[start:end, :, None])[..., 0]
-        return h
+    states (batch, slots, heads, head_dim, N): every node's kept state, the committed one in the last slot (the
+    roots' parent); parents (batch, slots - 1) the tree's; rows (R,) the new nodes; levels: positions into rows
+    grouped by level (a sequence of (W,) int64 tensors, ancestors' levels first; see row_levels); dt (softplus
+    applied) and x (batch, R, heads, head_dim), B (batch, R, heads, N) in the compute dtype; A (heads, head_dim, N).
+    h = h_parent · exp(dt·A) + (dt·B)·x, HF's decode step. Writes the rows' states into `states` and returns them
+    (batch, R, heads, head_dim, N) in its dtype.
+    """
+    batch, slots = states.shape[:2]
+    shape = states.shape[2:]
+    offsets = torch.arange(batch, device=states.device)[:, None] * slots
+    up = parents.index_select(1, rows)
+    up = torch.where(up >= 0, up, slots - 1) + offsets                                    # (batch, R) flat slots
+    targets = rows[None] + offsets
+    flat = states.view(batch * slots, *shape)
+    for level in levels:                                                                  # (W,) pass positions
+        dt_l = dt.index_select(1, level)[..., None]                                       # (batch, W, G, hd, 1)
+        h = flat.index_select(0, up.index_select(1, level).reshape(-1)).view(batch, -1, *shape)
+        h = as_dtype(h, dt.dtype) * torch.exp(dt_l * A) + (dt_l * B.index_select(1, level)[:, :, :, None, :]) * \
+            x.index_select(1, level)[..., None]
+        flat.index_copy_(0, targets.index_select(1, level).reshape(-1), as_dtype(h, flat.dtype).reshape(-1, *shape))
+    return flat.index_select(0, targets.reshape(-1)).view(batch, -1, *shape)
 
-    walk_levels(levels, states_or_zeros(initial_states, (batch, dim, A.shape[1]), cd, x.device), step)
-    y = levels.scatter(ys, batch, T)
-    if D is not None:
-        y = y + x.to(cd) * D.to(cd)
-    if z is not None:
-        y = y * F.silu(z.to(cd))
-    return gather_rows(y, rows).to(x.dtype)
 
-
-def tree_selective_states(x, dt, A, B, index, nodes, *, initial_states=None):
-    """See tree_selective_scan.tree_selective_states: the walk of path(nodes[b]) alone. Returns (batch, dim, N) in
-    the compute dtype (dt's)."""
-    cd = dt.dtype
-    batch, _, dim = x.shape
-    levels = index.levels(nodes)
-    xs, dts, Bs = (levels.gather(t, cd) for t in (x, dt, B))
-    A = A.to(cd)
-    h0 = states_or_zeros(initial_states, (batch, dim, A.shape[1]), cd, x.device)
-    return walk_levels(levels, h0, lambda start, end, h: _update(h, dts[start:end], xs[start:end], Bs[start:end], A),
-                       last=h0.clone())
+def row_levels(mask, rows):
+    """rows (R,)'s positions grouped by level, for selective_walk: a position's level is one more than the deepest
+    level among its ancestors in rows on any tree (0 without any). mask (batch, T, T) bool, the ancestor mask. Built
+    on the host (one synchronisation); a list of int64 tensors on rows' device."""
+    within = mask.index_select(1, rows).index_select(2, rows).any(0).cpu()            # (R, R)
+    level = [0] * rows.shape[0]
+    for p in range(len(level)):
+        ancestors = within[p, :p].nonzero().flatten().tolist()
+        level[p] = max((level[a] + 1 for a in ancestors), default=0)
+    return [torch.tensor([p for p, lv in enumerate(level) if lv == d], device=rows.device)
+            for d in range(max(level, default=-1) + 1)]

@@ -141,7 +141,6 @@ class TreeIndex:
 
     TreeIndex(parents) validates and solves; TreeIndex.prebuilt(parents, mask, windows, depth) takes structure its
     caller already derived (stree's drafting builds it on the host as the tree grows) and checks nothing.
-    Recurrences without a closed form walk the tree level by level: depth and levels() give that structure.
     """
 
     def __init__(self, parents):
@@ -151,7 +150,7 @@ class TreeIndex:
         self._ancestors = ancestor_matrix(self.parents)
         self.mask = self._ancestors > 0.5
         self._windows = {}
-        self._depth, self._levels = None, None
+        self._depth = None
 
     @classmethod
     def prebuilt(cls, parents, mask, windows=None, depth=None):
@@ -161,7 +160,7 @@ class TreeIndex:
         self = cls.__new__(cls)
         self.parents, self.mask, self._ancestors = parents, mask, None
         self._windows = dict(windows or {})
-        self._depth, self._levels = depth, None
+        self._depth = depth
         return self
 
     def queries(self, rows):
@@ -201,108 +200,12 @@ class TreeIndex:
             self._depth = self.mask.sum(-1) - 1
         return self._depth
 
-    def levels(self, nodes=None):
-        """The tree's nodes grouped by depth (a Levels), for recurrences walked one level at a time.
-
-        nodes None: every node (computed once and cached). nodes (batch,) int64: only path(nodes[b]) of each row,
-        -1 = none of that row (the walk of an accepted path: one node per row and level).
-        """
-        if nodes is not None:
-            if self.shape[1] == 0:  # nothing to walk (every node is -1)
-                return Levels(self.parents, self.depth)
-            keep = self.mask[torch.arange(self.shape[0], device=nodes.device), nodes.clamp(min=0)]
-            return Levels(self.parents, self.depth, keep & (nodes >= 0)[:, None])
-        if getattr(self, "_levels", None) is None:
-            self._levels = Levels(self.parents, self.depth)
-        return self._levels
-
-
-class Levels:
-    """The nodes of a batch of trees in order of depth, as a level-by-level recurrence walks them.
-
-    Level d holds every row's nodes of depth d; a node's state depends only on its parent's, one level up, so a
-    level is computed at once from the previous one (depth sequential steps) and only two levels of states
-    are alive at a time. Positions below are indices into `order`.
-
-        order:       (n,) int64 flat node ids b*T + i, sorted by (depth, b, i); level d is order[starts[d]:starts[d+1]]
-        rows:        (n,) int64 batch row of each position (order // T)
-        parent_slot: (n,) int64 where the parent's state sits in the previous level (its position minus that level's
-                     start); a root's is its batch row b, so level 0 reads row b of the states before the tree
-        offsets:     (num_levels, batch + 1) int64 positions: row b's nodes of level d are offsets[d, b] ..
-                     offsets[d, b + 1] - 1, and offsets[d, 0] is the level's start
-        sizes:       list of int, nodes per level (on the host); width: the largest (0 for no nodes);
-                     row_width: the most nodes one row has in one level
-
-    Built from parents and depth with one host synchronisation (the level sizes). keep (batch, T) bool, if given,
-    restricts the walk to a set of nodes closed under ancestors (a path, say). gather / scatter move per-node
-    tensors into and out of walk order.
-    """
-
-    def __init__(self, parents, depth, keep=None):
-        batch, T = parents.shape
-        device = parents.device
-        flat_depth = depth.reshape(-1)
-        if keep is not None:
-            flat_depth = flat_depth.masked_fill(~keep.reshape(-1), T)  # T: past every level, sorted last and dropped
-        counts = torch.bincount(flat_depth * batch + torch.arange(batch * T, device=device) // max(T, 1),
-                                minlength=(T + 1) * batch)[:T * batch].view(T, batch)
-        per_row = [row for row in counts.tolist() if sum(row) > 0]  # depths of a closed set are 0, 1, ..., L-1
-        self.sizes = [sum(row) for row in per_row]
-        n, L = sum(self.sizes), len(self.sizes)
-        self.width = max(self.sizes, default=0)
-        self.row_width = max((max(row) for row in per_row), default=0)
-        self.order = torch.argsort(flat_depth, stable=True)[:n]
-        self.rows = self.order // max(T, 1)
-        starts = torch.cat([counts.new_zeros(1), counts[:L].reshape(-1).cumsum(0)])
-        self.offsets = starts[torch.arange(L, device=device)[:, None] * batch + torch.arange(batch + 1, device=device)]
-        level = flat_depth[self.order]
-        slot = torch.arange(n, device=device) - self.offsets[level, 0]
-        slot_of = torch.full((batch * T,), -1, dtype=torch.long, device=device).index_put_((self.order,), slot)
-        parent = parents.reshape(-1)[self.order]
-        self.parent_slot = torch.where(parent >= 0, slot_of[(self.rows * T + parent).clamp(min=0)], self.rows)
-
-    def bounds(self):
-        """(start, end) positions of each level, in order."""
-        start = 0
-        for size in self.sizes:
-            yield start, start + size
-            start += size
-
-    def gather(self, t, dtype):
-        """(batch, T, ...) -> (n, ...): each walked node's row, in walk order, in `dtype`."""
-        return t.reshape(-1, *t.shape[2:]).index_select(0, self.order).to(dtype)
-
-    def scatter(self, values, batch, T):
-        """(n, ...) in walk order -> (batch, T, ...): the inverse of gather for a walk of every node."""
-        return torch.empty_like(values).index_copy_(0, self.order, values).view(batch, T, *values.shape[1:])
-
-
-def states_or_zeros(states, shape, dtype, device):
-    """States before a tree in `dtype`, contiguous; zeros of `shape` when there are none."""
-    return torch.zeros(shape, dtype=dtype, device=device) if states is None else states.to(dtype).contiguous()
-
-
-def walk_levels(levels, initial, step, last=None):
-    """Run a tree recurrence level by level: the PyTorch references' loop.
-
-    initial: (batch, *state) states before the tree. step(start, end, parent_states) -> the states of positions
-    start..end-1 of levels.order, given their parents' states (end - start, *state). last: None, or a
-    (batch, *state) tensor that receives each row's deepest walked state (for a walk of levels(nodes), the
-    state after path(nodes[b]); rows with no node keep what it holds).
-    """
-    prev = initial
-    for start, end in levels.bounds():
-        prev = step(start, end, prev.index_select(0, levels.parent_slot[start:end]))
-        if last is not None:
-            last.index_copy_(0, levels.rows[start:end], prev.to(last.dtype))
-    return last
-
 
 class RowQueries:
-    """The ancestor-mask rows of a set of query nodes and their conv windows (see TreeIndex.queries).
+    """The ancestor-mask rows of a set of query nodes, their conv windows and path sums (see TreeIndex.queries).
 
         mask (batch, R, T) bool; on_path = mask[:, None] (batch, 1, R, T) and off_path = its negation, shaped to
-        broadcast over heads; windows(length, state_len) (batch, R, length).
+        broadcast over heads; windows(length, state_len) (batch, R, length); path_sums(dtype) a PathSums.
     """
 
     def __init__(self, index, rows):
@@ -311,12 +214,40 @@ class RowQueries:
         self.on_path = self.mask[:, None]
         self.off_path = ~self.on_path
         self._windows = {}
+        self._path_sums = {}
 
     def windows(self, length, state_len):
         key = (length, state_len)
         if key not in self._windows:
             self._windows[key] = gather_node_rows(self.index.windows(length, state_len), self.rows)
         return self._windows[key]
+
+    def path_sums(self, dtype):
+        """The rows' PathSums over every slot in `dtype`, made once (every delta-rule layer of a pass shares it)."""
+        if dtype not in self._path_sums:
+            self._path_sums[dtype] = PathSums(self.mask, self.index.mask, dtype)
+        return self._path_sums[dtype]
+
+
+class PathSums:
+    """What the decays of a set of query nodes need from the tree, the same for every layer of a pass.
+
+    on_path (batch, Q, T) bool: the queries' ancestor-mask rows; mask (batch, T, T) bool: every slot's. decays(g)
+    gives exp(G_i - G_j) for j on path(i) (0 elsewhere) and exp(G_i), with G_i the sum of g over path(i): G_i - G_j
+    is the sum of g over path(i) minus path(j), a 0/1 matmul with `segments` (batch, Q, T, T) and no cancellation
+    (garbage where j is off path(i), zeroed). Memory: Q x T x T per batch row.
+    """
+
+    def __init__(self, on_path, mask, dtype):
+        self.on = on_path.to(dtype)
+        self.segments = self.on[:, :, None, :] - mask.to(dtype)[:, None]                  # (batch, Q, T, T)
+        self.off = ~on_path[..., None]                                                    # (batch, Q, T, 1)
+
+    def decays(self, gates):
+        """gates (..., batch, T, H) -> weights (..., batch, H, Q, T), growth (..., batch, H, Q)."""
+        diff = torch.matmul(self.segments, gates[..., None, :, :])                        # (..., batch, Q, T, H)
+        weights = diff.masked_fill_(self.off, 0.0).exp_().masked_fill_(self.off, 0.0)
+        return weights.movedim(-1, -3), torch.matmul(self.on, gates).exp_().transpose(-1, -2)
 
 
 def gather_node_rows(t, rows):
@@ -347,6 +278,23 @@ def check_rows(rows, batch, T, device):
         raise ValueError(f"rows has batch {rows.shape[0]}, the inputs have {batch}")
     if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < T:
         raise ValueError(f"rows must hold node ids in [0, {T}), got {rows.tolist()}")
+    return rows
+
+
+def check_pass_rows(rows, index):
+    """Validate the new nodes of an engine pass: rows (R,) distinct integer slot ids in [0, T), in pass order (no
+    row is an ancestor of an earlier row in any tree of `index`, a TreeIndex). Returns int64 rows."""
+    batch, T = index.shape
+    rows = check_rows(rows, batch, T, index.mask.device)
+    if rows is None or rows.dim() != 1:
+        raise ValueError(f"rows must be a (R,) tensor of slot ids, got {getattr(rows, 'shape', rows)!r}")
+    if rows.unique().numel() != rows.numel():
+        raise ValueError(f"rows must be distinct slot ids, got {rows.tolist()}")
+    later = index.mask.index_select(1, rows).index_select(2, rows).triu(1)  # [b, p, p'] rows[p'] on path(rows[p])
+    if bool(later.any()):
+        b, p, q = later.nonzero()[0].tolist()
+        raise ValueError(f"rows must be in pass order (ancestors first): rows[{q}] = {int(rows[q])} is an ancestor "
+                         f"of rows[{p}] = {int(rows[p])} in tree {b}")
     return rows
 
 
