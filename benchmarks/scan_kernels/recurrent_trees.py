@@ -13,26 +13,25 @@ round (a root pass, then one extend per level: 3, then 9 nodes, DynamicTree's de
       kept states  every node's (Hv, Dk, Dv) state kept; a pass walks only its new nodes
       recompute    the level-by-level kernel over every node (tree_gated_delta_rule(..., rows=new))
 
-Prints milliseconds per pass (median of --reps) and the memory each keeps per node and layer. CPU or CUDA, fp32.
+Prints the device, the layer shapes and a table of milliseconds per pass (median of --reps) and the memory each way
+keeps per node and layer; writes JSON. CPU or CUDA, fp32.
 
-    python benchmarks/recurrent_trees.py [--device cuda] [--reps 5]
+    python -m benchmarks.scan_kernels.recurrent_trees [--device cuda] [--reps 5] [--out PATH]
 """
 import argparse
-import os
-import sys
-import time
 
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import torch  # noqa: E402
-
-from stree.models.gated_delta import PathSums, delta_rule_rows  # noqa: E402
-from stree.models.mamba1 import selective_walk  # noqa: E402
-from stree.triton_kernels import TreeIndex, ancestor_mask, tree_gated_delta_rule, tree_selective_scan  # noqa: E402
-from stree.triton_kernels.tree_gated_delta_torch import _update as delta_update  # noqa: E402
+from benchmarks.common import device_line, machine_info, median_ms, results_path, write_json
+from stree.models.gated_delta import PathSums, delta_rule_rows
+from stree.models.mamba1 import selective_walk
+from stree.triton_kernels import TreeIndex, ancestor_mask, tree_gated_delta_rule, tree_selective_scan
+from stree.triton_kernels.tree_gated_delta_torch import _update as delta_update
 
 DRAFT = [1, 3, 9, 9, 9, 9]               # nodes per pass of a draft round (DynamicTree): root, then a level each
 TARGET_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 8, 10, 11, 13, 14]  # 17 nodes, depth 6
+MAMBA1_SHAPE = dict(dim=8192, dstate=16)                                  # Jamba-v0.1's Mamba1 layer
+GATED_DELTA_SHAPE = dict(key_heads=16, value_heads=32, head_dim=128)      # Qwen3.5's Gated DeltaNet layer
 
 
 def draft_tree(slots):
@@ -53,19 +52,6 @@ def levels_of(parents, rows):
     return [torch.tensor([p for p in level if level[p] == d]) for d in range(max(level.values()) + 1)]
 
 
-def median_ms(fn, device, reps):
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
 def passes(parents_list, schedule):
     """The passes of a schedule: (rows tensor, its level positions)."""
     out, start = [], 0
@@ -77,7 +63,7 @@ def passes(parents_list, schedule):
 
 
 def mamba1(device, reps):
-    dim, N, slots = 8192, 16, 64
+    dim, N, slots = MAMBA1_SHAPE["dim"], MAMBA1_SHAPE["dstate"], 64
     g = torch.Generator().manual_seed(0)
     A = -torch.rand(dim, N, generator=g).add_(0.5).to(device)
     rows_by_case = {"draft round": (draft_tree(slots), DRAFT), "target pass": (TARGET_PARENTS + [-1] * (
@@ -93,11 +79,12 @@ def mamba1(device, reps):
         states = torch.zeros(1, slots + 1, dim, N, device=device)
         plan = [(rows.to(device), [lv.to(device) for lv in levels]) for rows, levels in passes(parents_list, schedule)]
 
-        def kept():
+        def kept():  # one head, in selective_walk's (batch, slots, heads, head_dim, N) layout
             states[:, slots] = h0
             for rows, levels in plan:
-                h = selective_walk(states, parents, rows, levels, dt[:, rows], B[:, rows], x[:, rows], A)
-                torch.matmul(h, C[:, rows, :, None])
+                h = selective_walk(states[:, :, None], parents, rows, levels, dt[:, rows, None], B[:, rows, None],
+                                   x[:, rows, None], A[None])
+                torch.matmul(h[:, :, 0], C[:, rows, :, None])
 
         def recompute():
             for rows, _ in plan:
@@ -110,7 +97,8 @@ def mamba1(device, reps):
 
 
 def gated_delta(device, reps):
-    Hk, Hv, D, slots = 16, 32, 128, 64
+    Hk, Hv, D = (GATED_DELTA_SHAPE[k] for k in ("key_heads", "value_heads", "head_dim"))
+    slots = 64
     g = torch.Generator().manual_seed(1)
     results = {}
     for case, (parents_list, schedule) in {"draft round": (draft_tree(slots), DRAFT), "target pass": (
@@ -163,18 +151,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/recurrent-trees.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print(f"device {device.type}, torch {torch.__version__}, threads {torch.get_num_threads()}, fp32; ms per pass "
-          f"(draft round: {len(DRAFT)} passes of {DRAFT} nodes; target: one pass of {len(TARGET_PARENTS)} nodes)")
+    machine = machine_info(device)
+    print(device_line(machine))
+    print(f"fp32; ms per pass (draft round: {len(DRAFT)} passes of {DRAFT} nodes; target: one pass of "
+          f"{len(TARGET_PARENTS)} nodes)")
+    layers = []
     with torch.no_grad():
-        for name, run in (("Mamba1, Jamba-like layer", mamba1), ("Gated DeltaNet, Qwen3.5-like layer", gated_delta)):
+        for name, shape, run in (("Mamba1, Jamba-like layer", MAMBA1_SHAPE, mamba1),
+                                 ("Gated DeltaNet, Qwen3.5-like layer", GATED_DELTA_SHAPE, gated_delta)):
             results, memory = run(device, args.reps)
-            print(f"\n{name}")
+            print(f"\n{name}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
             print(f"{'method':<14}{'draft pass':>12}{'target pass':>13}{'kept per node':>16}")
             for method in memory:
                 print(f"{method:<14}{results['draft round'][method]:>12.2f}{results['target pass'][method]:>13.2f}"
                       f"{memory[method] / 1024:>13.0f} KB")
+            layers.append(dict(layer=name, shape=shape, ms_per_pass=results, bytes_per_node=memory))
+    out = args.out or results_path(machine, "recurrent-trees.json")
+    write_json(out, dict(machine, reps=args.reps, draft_nodes_per_pass=DRAFT, target_parents=TARGET_PARENTS,
+                         layers=layers))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
