@@ -14,14 +14,18 @@ DIR/summary.json are rewritten after every step.
                  tree pass and stree.generate on tiny CUDA models of seven families against HF's own decoding;
                  then the Mamba2 kernels at the real layer shapes of aot.MODEL_SHAPES: Triton vs the PyTorch
                  reference vs the naive loops of tests/loops.py, in fp32, bf16 and fp16  -> step1-equivalence.json
-  2 kernels      benchmarks/kernels.py: a T-node tree scan vs one decode step, T steps, unrolled paths and HF's
-                 chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
+  2 kernels      benchmarks/scan_kernels/tree_kernels.py: a T-node tree scan vs one decode step, T steps, unrolled
+                 paths and HF's chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
                                                                                           -> step2-kernels.json
-  3 generate     benchmarks/generate.py once per GENERATE_RUNS entry: the bundled pair (and its target inflated
-                 to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager and
-                 compiled, and the tree-pass cost curves at the Mamba2-2.7B and Nemotron-H-8B shapes   -> step3-generate-<name>.json
+  3 generate     benchmarks/decoding/generate.py once per GENERATE_RUNS entry: the bundled pair (and its target
+                 inflated to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager
+                 and compiled, and the tree-pass cost curves at the Mamba2-2.7B and Nemotron-H-8B shapes
+                                                                                  -> step3-generate-<name>.json
+Steps 2 and 3 run their scripts as modules from the repository root (python -m benchmarks...), as
+benchmarks/README.md says to. The compile check writes benchmarks/results/<machine kind>/gpu-compile.json.
 """
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -31,14 +35,12 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
-# package that transformers probes for when it is imported. Drop the folder first.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# ---- Step 3: benchmarks/generate.py's command lines, written here only (its owner is adding flags). ----------
+# ---- Step 3: benchmarks/decoding/generate.py's command lines, written here only (its owner is adding flags). --
 # name: (arguments on a GPU, arguments for --dry-run or None: tiny built-in presets and a few tokens,
 #        budget in seconds (GPU, dry)). generate.py puts its PNG beside its --out JSON.
 GENERATE_RUNS = {
@@ -61,7 +63,7 @@ GENERATE_RUNS = {
     "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
                                None, (35, 0)),
 }
-# ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and benchmarks/kernels.py's arguments. ------
+# ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and tree_kernels.py's arguments. ----------
 BUDGETS = {"equivalence": (90, 120), "kernels": (30, 120)}  # dry-run budgets: a safety net on a loaded CPU
 KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
                  "--dtype", "bfloat16", "--min-time", "0.3"],
@@ -94,9 +96,26 @@ def run_bounded(command, seconds, log, env, group=True):
             return None
 
 
+@functools.cache
+def load_file(name, path):
+    """The module in the file `path` (relative to ROOT), loaded by path: this script runs as
+    `python benchmarks/gpu.py`, where neither the package `benchmarks` nor the tests' helpers are importable."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def common():
+    return load_file("benchmarks.common", os.path.join("benchmarks", "common.py"))
+
+
+def loops():
+    return load_file("loops", os.path.join("tests", "loops.py"))
+
+
 def write_json(path, data):
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    common().write_json(path, data)
 
 
 def versions():
@@ -108,13 +127,17 @@ def versions():
     except ImportError:
         triton_version = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return dict(device=device, torch=torch.__version__, triton=triton_version, transformers=transformers.__version__)
+    machine = common().machine_info("cuda" if torch.cuda.is_available() else "cpu")
+    return dict(device=device, machine=machine["machine"], cpu_flags=" ".join(machine["cpu_flags"]),
+                torch=torch.__version__, triton=triton_version, transformers=transformers.__version__)
 
 
 # ---- --compile-only ----------------------------------------------------------------------------------------------
 
 def compile_only(args):
     from stree.triton_kernels import aot
+    machine = common().machine_info("cpu")
+    print(common().device_line(machine))
     cases = aot.launches(args.models, args.sizes, [aot.DTYPES[d] for d in args.dtypes])
     start = time.perf_counter()
     results = aot.check(cases, args.archs, jobs=args.jobs)
@@ -130,7 +153,7 @@ def compile_only(args):
     print(f"\n{len(results)} distinct compilations ({len(cases)} launches: {len(args.models)} models x T in "
           f"{args.sizes} x {args.dtypes}, archs {args.archs}) in {time.perf_counter() - start:.0f} s; "
           f"{len(bad)} failed or did not fit")
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu-compile.json")
+    out = args.out or common().results_path(machine, "gpu-compile.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     write_json(out, dict(versions(), archs=aot.ARCHS, models={m: aot.MODEL_SHAPES[m] for m in args.models},
                          sizes=args.sizes, dtypes=args.dtypes, ok=not bad,
@@ -156,7 +179,7 @@ def real_shape_inputs(shape, T, batch=2):
     """Random inputs of one layer shape and tree size whose tensors hold values exact in fp32, bf16 and fp16 alike
     (bf16-rounded, tiny magnitudes zeroed), so one fp64 loop reference serves all three dtypes."""
     import torch
-    from loops import random_rows
+    random_rows = loops().random_rows
     H, P, N, G, W, C = (shape[k] for k in ("nheads", "headdim", "dstate", "ngroups", "conv_width", "conv_dim"))
     g = torch.Generator().manual_seed(T)
 
@@ -176,7 +199,7 @@ def real_shape_inputs(shape, T, batch=2):
 def loop_references(inputs, rows):
     """Each kernel's expected output from the naive fp64 loops of tests/loops.py."""
     import torch
-    from loops import conv_loop, conv_windows_loop, scan_loop
+    conv_loop, conv_windows_loop, scan_loop = loops().conv_loop, loops().conv_windows_loop, loops().scan_loop
     i = inputs
     y, states = scan_loop(i["x"], i["dt"], i["A"], i["B"], i["C"], rows, D=i["D"], dt_bias=i["dt_bias"],
                           dt_softplus=True, initial_states=i["h0"])
@@ -270,7 +293,6 @@ def check_models(device, families):
 
 def step_equivalence(out, dry):
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from stree.triton_kernels import aot
     path = os.path.join(out, "step1-equivalence.json")
     result = dict(versions())
@@ -313,14 +335,14 @@ def plan(out, dry):
     steps = [("equivalence", me + ["--step", "equivalence"], BUDGETS["equivalence"][dry],
               os.path.join(out, "step1-equivalence.json"))]
     kernels_json = os.path.join(out, "step2-kernels.json")
-    steps.append(("kernels", [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), *KERNELS_ARGS[dry],
+    steps.append(("kernels", [sys.executable, "-m", "benchmarks.scan_kernels.tree_kernels", *KERNELS_ARGS[dry],
                               "--out", kernels_json], BUDGETS["kernels"][dry], kernels_json))
     for name, (gpu_args, dry_args, budgets) in GENERATE_RUNS.items():
         arguments = dry_args if dry else gpu_args
         if arguments is None:
             continue
         path = os.path.join(out, f"step3-generate-{name}.json")
-        steps.append((f"generate:{name}", [sys.executable, os.path.join(ROOT, "benchmarks", "generate.py"),
+        steps.append((f"generate:{name}", [sys.executable, "-m", "benchmarks.decoding.generate",
                                            *arguments, "--out", path], budgets[dry], path))
     return steps
 
@@ -389,7 +411,7 @@ def main():
     parser.add_argument("--compile-only", action="store_true", help="the ahead-of-time compile check (no GPU)")
     parser.add_argument("--dry-run", action="store_true", help="every step on CPU, tiny sizes, Triton interpreted")
     parser.add_argument("--out", default=None, help="the steps' folder (required unless --compile-only), or the "
-                        "compile check's JSON (default benchmarks/results/gpu-compile.json)")
+                        "compile check's JSON (default benchmarks/results/<machine kind>/gpu-compile.json)")
     parser.add_argument("--step", choices=["equivalence"], help=argparse.SUPPRESS)  # how the driver runs step 1
     from stree.triton_kernels.aot import ARCHS, DTYPES, MODEL_SHAPES, TREE_SIZES
     group = parser.add_argument_group("--compile-only")

@@ -1,12 +1,13 @@
 """Tree search on a verifiable task: generated arithmetic word problems (stree.search.arithmetic).
 
 A small hybrid policy (Bamba: two Mamba2 and two attention layers, character-level) is trained with stree.distill's
-Trainer on solution traces (once per setting; saved under benchmarks/assets/, rebuilt with --retrain). A program
-checks every step and serves as the verifier. For each strategy at the same width: accuracy, mean peak retained-tree
-bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per state-holding node: every
+Trainer on solution traces (once per setting; saved under benchmarks/tree_search/assets/, rebuilt with --retrain).
+A program checks every step and serves as the verifier. For each strategy at the same width: accuracy, mean peak
+retained-tree bytes (stree.search.TreeMemory: attention K/V per node + one SSM snapshot per state-holding node: every
 unfinished leaf, or only the expanded parents with replayed leaves), step tokens and wall time. Strategies run
 interleaved, problem by problem, so that load changes on a shared machine hit them alike.
-Table on stdout, JSON and a PNG (accuracy against peak memory) in benchmarks/results/.
+Prints the device, CPU flags and the policy, then a table; JSON and a PNG (accuracy against peak memory) in
+benchmarks/results/<machine kind>/.
 
 Two settings (--setting):
 - easy: two-operation problems and a 1.6M policy trained on them (arith-policy): nearly every strategy solves
@@ -14,13 +15,13 @@ Two settings (--setting):
 - hard: four-operation problems (longer solutions, so errors compound) and a 0.7M policy trained briefly on two to
   five operations (arith-policy-hard): the strategies separate.
 
-    python benchmarks/search.py                       # easy: 40 held-out two-operation problems, width 8
-    python benchmarks/search.py --setting hard        # hard: 40 four-operation problems -> search-cpu-hard.json
-    python benchmarks/search.py --problems 10 --width 4
-    python benchmarks/search.py --width 16 --strategies "sync beam" "sync beam (CD)" "spec beam (EP)" \
-        "spec beam (EP+CD)" --out benchmarks/results/search-cpu-w16.json
-    python benchmarks/search.py --setting hard --strategies rebase "ets (lb=6, ld=1, replay)" --together 1 4 16
-                                                      # several problems per batch: throughput against batch memory
+    python -m benchmarks.tree_search.arithmetic_search                 # easy: 40 two-operation problems, width 8
+    python -m benchmarks.tree_search.arithmetic_search --setting hard  # 40 four-operation problems
+    python -m benchmarks.tree_search.arithmetic_search --problems 10 --width 4
+    python -m benchmarks.tree_search.arithmetic_search --width 16 --strategies "sync beam" "sync beam (CD)" \
+        "spec beam (EP)" "spec beam (EP+CD)"
+    python -m benchmarks.tree_search.arithmetic_search --setting hard --strategies rebase \
+        "ets (lb=6, ld=1, replay)" --together 1 4 16  # several problems per batch: throughput against batch memory
 
 The policies were trained on solutions whose step lines are shown worked (longer) half of the time, so their steps
 vary in length within a level, as reasoning steps do: the case speculative execution is for.
@@ -38,31 +39,25 @@ TreeMemory's model (what a prefix-sharing tree keeps), peak held KiB what the ro
 batch, every row with its own copy of its prefix, plus every live snapshot).
 """
 import argparse
-import json
 import os
-import platform
 import random
-import sys
 import tempfile
 import time
 
-# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
-# package that transformers probes for when it is imported. Drop the folder first.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from stree.distill import TokenChunks, TrainConfig, Trainer  # noqa: E402
-from stree.search import BeamOptions, SearchConfig, tree_search, tree_search_batch  # noqa: E402
-from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems  # noqa: E402
+from benchmarks.common import device_line, machine_info, results_path, write_json
+from stree.distill import TokenChunks, TrainConfig, Trainer
+from stree.search import BeamOptions, SearchConfig, tree_search, tree_search_batch
+from stree.search.arithmetic import CharTokenizer, check_step, extract_answer, make_problems
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLICY_CONFIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4, attn_layer_indices=[1, 3],
                      num_attention_heads=6, num_key_value_heads=2, mamba_n_heads=6, mamba_d_head=64,
                      mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
                      max_position_embeddings=1024, tie_word_embeddings=True)
-SETTINGS = {  # problems to solve and the policy (trained once, shipped under benchmarks/assets/, --retrain rebuilds)
+SETTINGS = {  # problems to solve and the policy (trained once, shipped in assets/ beside this file; --retrain)
     # two operations; a 1.6M policy trained on two-operation solutions: most strategies solve nearly everything
     "easy": dict(ops=2, policy="arith-policy", config=POLICY_CONFIG, train_ops=(2,), train_steps=2500, chunk=192),
     # four operations (longer solutions: errors compound); a 0.7M policy trained briefly on 2-5 operations
@@ -252,12 +247,10 @@ def _save(fig, png):
     print(f"wrote {png}")
 
 
-def write_results(out, args, ops, rows):
-    """The rows and the run's settings as JSON at `out`."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(setting=args.setting, ops=ops, problems=args.problems, width=args.width,
-                       temperature=args.temperature, threads=torch.get_num_threads(), rows=rows), f, indent=1)
+def write_results(out, machine, args, ops, rows):
+    """The rows, the run's settings and the machine as JSON at `out`."""
+    write_json(out, dict(machine, setting=args.setting, ops=ops, problems=args.problems, width=args.width,
+                         temperature=args.temperature, rows=rows))
     print(f"wrote {out}")
 
 
@@ -295,7 +288,7 @@ def plot_together(rows, png):
     _save(fig, png)
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=list(SETTINGS), default="easy",
                         help="easy: two-operation problems, the 1.6M policy; hard: four operations, the 0.7M policy")
@@ -309,52 +302,73 @@ def main():
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_RUNS), choices=list(STRATEGY_RUNS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0, help="the policy's sampling temperature")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/search-cpu.json; the PNG goes beside it)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<machine kind>/arithmetic-search-"
+                        "<setting>[-w<width>][-together].json; the PNG goes beside it)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--together", type=int, nargs="+",
                         help="search the problems this many at a time in one batch (stree.search.tree_search_batch), "
                              "for each count given: throughput against the batch's peak memory")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def default_name(args):
+    """e.g. arithmetic-search-hard.json, arithmetic-search-easy-w16.json, arithmetic-search-hard-together.json."""
+    width = f"-w{args.width}" if args.width != 8 else ""
+    return f"arithmetic-search-{args.setting}{width}{'-together' if args.together else ''}.json"
+
+
+def load_policy(tokenizer, setting, args):
+    """The setting's shipped policy (trained first when --retrain or missing), float32, eval mode."""
+    policy_dir = os.path.join(HERE, "assets", setting["policy"])
+    if args.retrain or not os.path.exists(os.path.join(policy_dir, "model.safetensors")):
+        train_policy(tokenizer, setting, args.train_steps or setting["train_steps"], args.worked, args.seed)
+    return transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+
+
+def print_together(rows):
+    print(f"{'strategy':>32} {'together':>9} {'accuracy':>9} {'batch held KiB':>15} {'problems/s':>11}")
+    for r in rows:
+        print(f"{r['strategy']:>32} {r['together']:>9} {r['accuracy']:>9.3f} {r['peak_batch_held_kib']:>15.1f} "
+              f"{r['problems_per_s']:>11.2f}")
+
+
+def print_rows(rows):
+    print(f"{'strategy':>32} {'accuracy':>9} {'tree KiB':>9} {'held KiB':>9} {'step tok':>9} {'s/problem':>10} "
+          f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7} {'critical':>9}")
+    for r in rows:
+        critical = "" if r["critical_path"] is None else format(r["critical_path"], ".1f")
+        print(f"{r['strategy']:>32} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['peak_held_kib']:>9.1f} "
+              f"{r['step_tokens']:>9.1f} {r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} "
+              f"{r['verifier_calls']:>9.1f} {r['forward_passes']:>7.1f} {critical:>9}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     setting = SETTINGS[args.setting]
     ops = args.ops or setting["ops"]
     tokenizer = CharTokenizer()
-    policy_dir = os.path.join(HERE, "assets", setting["policy"])
-    if args.retrain or not os.path.exists(os.path.join(policy_dir, "model.safetensors")):
-        train_policy(tokenizer, setting, args.train_steps or setting["train_steps"], args.worked, args.seed)
-    policy = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    policy = load_policy(tokenizer, setting, args)
     problems = make_problems(args.problems, seed=args.seed, steps=ops)  # training problems use seeds 1000+
-    print(f"device: cpu ({platform.processor() or 'cpu'}), torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}; {args.setting} setting: policy {setting['policy']} "
-          f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M params (bamba, "
+    machine = machine_info("cpu")
+    print(device_line(machine))
+    params = sum(p.numel() for p in policy.parameters())
+    print(f"{args.setting} setting: policy {setting['policy']} {params / 1e6:.2f}M params (bamba, "
           f"{policy.config.num_hidden_layers} layers); {args.problems} problems of {ops} operations, width "
           f"{args.width}, temperature {args.temperature}")
     run(policy, tokenizer, problems[:1], args.strategies[:1], args.width, args.seed, args.temperature)  # warm-up
     if args.together:
         rows = run_together(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature,
                             args.together)
-        print(f"{'strategy':>32} {'together':>9} {'accuracy':>9} {'batch held KiB':>15} {'problems/s':>11}")
-        for r in rows:
-            print(f"{r['strategy']:>32} {r['together']:>9} {r['accuracy']:>9.3f} {r['peak_batch_held_kib']:>15.1f} "
-                  f"{r['problems_per_s']:>11.2f}")
-        out = args.out or os.path.join(HERE, "results", f"search-cpu-{args.setting}-together.json")
-        write_results(out, args, ops, rows)
-        plot_together(rows, os.path.splitext(out)[0] + ".png")
-        return
-    rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
-    print(f"{'strategy':>32} {'accuracy':>9} {'tree KiB':>9} {'held KiB':>9} {'step tok':>9} {'s/problem':>10} "
-          f"{'problems/s':>10} {'tok/s':>8} {'verifier':>9} {'passes':>7} {'critical':>9}")
-    for r in rows:
-        print(f"{r['strategy']:>32} {r['accuracy']:>9.3f} {r['peak_tree_kib']:>9.1f} {r['peak_held_kib']:>9.1f} "
-              f"{r['step_tokens']:>9.1f} "
-              f"{r['seconds']:>10.3f} {r['problems_per_s']:>10.2f} {r['tokens_per_s']:>8.0f} {r['verifier_calls']:>9.1f} "
-              f"{r['forward_passes']:>7.1f} {'' if r['critical_path'] is None else format(r['critical_path'], '.1f'):>9}")
-    out = args.out or os.path.join(HERE, "results", "search-cpu.json" if args.setting == "easy" else
-                                   f"search-cpu-{args.setting}.json")
-    write_results(out, args, ops, rows)
-    plot_accuracy(rows, os.path.splitext(out)[0] + ".png")
+        print_together(rows)
+    else:
+        rows = run(policy, tokenizer, problems, args.strategies, args.width, args.seed, args.temperature)
+        print_rows(rows)
+    out = args.out or results_path(machine, default_name(args))
+    write_results(out, machine, args, ops, rows)
+    (plot_together if args.together else plot_accuracy)(rows, os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":

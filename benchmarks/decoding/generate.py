@@ -7,37 +7,29 @@ own autoregressive loop (ranges over --repeats same-run repeats), tau, draft pas
 breakdown (draft / verify / commit / other ms, host transfers) and, greedy, agreement with HF's output (all tokens
 equal in float32; the mean identical prefix in bf16 / fp16, where rounding differs between a tree pass and a decode
 step). Also the cost of a target tree pass of 1-32 nodes against HF's decode step and stree's own one-node pass.
-Table on stdout, JSON and a PNG in benchmarks/results/.
+Prints the device, CPU flags and models, then the tables; writes JSON and a PNG to benchmarks/results/<machine kind>/.
 
-    python benchmarks/generate.py                                      # bundled pair, float32
-    python benchmarks/generate.py --dtypes float32 bfloat16 --large    # both regimes, both dtypes
-    python benchmarks/generate.py --compile                            # torch.compile'd passes (warm-up reported)
-    python benchmarks/generate.py --both-drafting                      # greedy trees drafted on host and device
-    python benchmarks/generate.py --profile 25                         # + where each method's host time goes
-    python benchmarks/generate.py --target PATH --draft PATH           # any local HF checkpoints
-    python benchmarks/generate.py --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
+    python -m benchmarks.decoding.generate                                    # bundled pair, float32
+    python -m benchmarks.decoding.generate --dtypes float32 bfloat16 --large  # both regimes, both dtypes
+    python -m benchmarks.decoding.generate --compile          # torch.compile'd passes (warm-up reported)
+    python -m benchmarks.decoding.generate --both-drafting    # greedy trees drafted on host and device
+    python -m benchmarks.decoding.generate --profile 25       # + where each method's host time goes
+    python -m benchmarks.decoding.generate --target PATH --draft PATH   # any local HF checkpoints
+    python -m benchmarks.decoding.generate --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
 """
 import argparse
-import json
 import os
-import platform
-import sys
-import time
 
-# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
-# package that transformers probes for when it is imported. Drop the folder first.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from benchmarks.common import SHORT_DTYPES, device_line, machine_info, median_ms, results_path, write_json
+from stree import BeamTree, DynamicTree, StaticTree, random_parents
+from stree.benchmark import compare, format_profile, format_rows
+from stree.demo import demo_pair, held_out_prompts
+from stree.drafting import grows_on_device
+from stree.models import TreeModel, inflate_bamba, tiny_model
 
-from stree import BeamTree, DynamicTree, StaticTree, random_parents  # noqa: E402
-from stree.benchmark import compare, format_profile, format_rows  # noqa: E402
-from stree.demo import demo_pair, held_out_prompts  # noqa: E402
-from stree.draft import grows_on_device  # noqa: E402
-from stree.models import TreeModel, inflate_bamba, tiny_model  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
 PRESETS = {
     "bamba-small": ("bamba", dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
@@ -88,21 +80,6 @@ def load(name, dtype, device):
         family, overrides = PRESETS[name]
         return tiny_model(family, dtype=dtype, **overrides).to(device)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-
-
-def timed(fn, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
-
-
-def median_ms(fn, device, reps):
-    times = sorted(timed(fn, device)[1] for _ in range(reps))
-    return 1e3 * times[len(times) // 2]
 
 
 def op_counts(fn, device):
@@ -207,14 +184,14 @@ def plot(tables, path):
     print(f"wrote {path}")
 
 
-def main(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="demo-target",
                         help=f"a local checkpoint, demo-target, or one of {list(PRESETS)}")
     parser.add_argument("--draft", default="demo-draft", help="a local checkpoint, demo-draft, or a preset name")
     parser.add_argument("--trees", nargs="+", default=DEFAULT_TREES, choices=list(TREES))
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(SHORT_DTYPES))
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -233,24 +210,48 @@ def main(argv=None):
     parser.add_argument("--overhead-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
                         help="tree sizes of the cost curve, 1 first (the others are also given per one-node "
                              "pass); compiled, each size compiles its own passes")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generate-<target>-<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine kind>/"
+                        "generate[-overhead]-<target>[-large]-<dtypes>[-t<temperatures>][-drafting][-compiled].json)")
     args = parser.parse_args(argv)
     if args.overhead_sizes[0] != 1:
         parser.error("--overhead-sizes must start with 1 (the one-node pass the others are compared with)")
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}")
-    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
-    result = dict(device=device.type, device_name=name, threads=torch.get_num_threads(), target=args.target,
-                  compile=args.compile, complete=False, overhead=[], tables=[])
-    stem = f"generate-{args.target.replace('/', '_')}-{device.type}{'-compiled' if args.compile else ''}"
-    out = args.out or os.path.join(RESULTS, stem + ".json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return args
 
-    def save():  # after every measurement: a run stopped midway keeps what it measured ("complete": false)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+
+def default_name(args):
+    """The JSON's file name from what the run measures, e.g. generate-demo-target-large-bf16-t1.json."""
+    parts = ["generate-overhead" if args.overhead_only else "generate", os.path.basename(args.target.rstrip("/"))]
+    parts += ["large"] if args.large and not args.overhead_only else []
+    parts += [SHORT_DTYPES[d] for d in args.dtypes]
+    if not args.overhead_only and args.temperatures != [0.0, 1.0]:
+        parts.append("t" + "-".join(f"{t:g}" for t in args.temperatures))
+    parts += (["drafting"] if args.both_drafting and not args.overhead_only else []) + (
+        ["compiled"] if args.compile else [])
+    return "-".join(parts) + ".json"
+
+
+def prompts_for(args, model, device):
+    """(prompts, what they are): held-out code for the bundled target, else random tokens."""
+    if args.target == "demo-target":
+        prompts = held_out_prompts(demo_pair()[2], args.prompts, args.prompt_len)
+        return [p.to(device) for p in prompts], "held-out standard-library code"
+    return [torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
+            for _ in range(args.prompts)], "random tokens"
+
+
+def trees_for(args, temperature, device):
+    """The tree methods of one table: --trees (no beam trees when sampling) and, greedy with --both-drafting, each
+    static/dynamic tree drafted the other way too."""
+    trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
+    if args.both_drafting and temperature == 0:
+        other = not grows_on_device(device, args.compile)
+        trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
+                      for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
+    return trees
+
+
+def measure(args, device, result, save):
+    """Every table of the run into result["overhead"] and result["tables"], saved after each."""
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         target = load(args.target, dtype, device)
@@ -268,31 +269,33 @@ def main(argv=None):
                 continue
             draft = load(args.draft, dtype, device)
             model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
-            if args.target == "demo-target":
-                source = "held-out standard-library code"
-                prompts = [p.to(device) for p in held_out_prompts(demo_pair()[2], args.prompts, args.prompt_len)]
-            else:
-                source = "random tokens"
-                prompts = [torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
-                           for _ in range(args.prompts)]
+            prompts, source = prompts_for(args, model, device)
             for temperature in args.temperatures:
-                trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
-                if args.both_drafting and temperature == 0:
-                    other = not grows_on_device(device, args.compile)
-                    trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
-                                  for n, spec in list(trees.items()) if not isinstance(spec, BeamTree)})
                 print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
-                rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,
-                               repeats=args.repeats, compile=args.compile, profile=args.profile)
+                rows = compare(model, draft, prompts, trees_for(args, temperature, device), max_new_tokens=new_tokens,
+                               temperature=temperature, repeats=args.repeats, compile=args.compile,
+                               profile=args.profile)
                 print(format_rows(rows))
                 if args.profile:
                     print(format_profile(rows))
                 result["tables"].append(dict(target=label, params=params, dtype=dtype_name, temperature=temperature,
                                              new_tokens=new_tokens, prompts=args.prompts, rows=rows))
                 save()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    machine = machine_info(device)
+    print(device_line(machine))
+    result = dict(machine, target=args.target, compile=args.compile, complete=False, overhead=[], tables=[])
+    out = args.out or results_path(machine, default_name(args))
+    # saved after every measurement: a run stopped midway keeps what it measured ("complete": false)
+    measure(args, device, result, lambda: write_json(out, result))
     result["complete"] = True
-    save()
+    write_json(out, result)
     print(f"\nwrote {out}")
     if result["tables"]:
         plot(result["tables"], os.path.splitext(out)[0] + ".png")

@@ -3,7 +3,7 @@
 A round drafts p levels (one draft pass each) and verifies them in one target pass, so the draft's share of a round
 is about p·d / (p·d + V) for a draft pass of d seconds and a target pass of V. This script measures, in one run:
   stree level    one level of drafting as stree.generate runs it: the draft's pass over a level's expanded nodes
-                 (TreeModel.extend), then scores, log-softmax, top-k and the copy to the host (stree.draft);
+                 (TreeModel.extend), then scores, log-softmax, top-k and the copy to the host (stree.drafting);
   floor level    the same work written by hand as a plain batched single-token step through the draft's own modules
                  (embedding, norm, in_proj, conv and SSM state updates, gated norm, out_proj, final norm, LM head,
                  top-k), one row per expanded node, each from its own state: what any eager engine has to run for a
@@ -13,33 +13,25 @@ is about p·d / (p·d + V) for a draft pass of d seconds and a target pass of V.
                  pushes the draft's weights out of the CPU's caches: timed as both minus the target pass alone);
 and prints the share a round of p draft levels would have with either (p from 1 to 6; the default adaptive tree
 drafts 2-5 levels a round on the bundled pair), then the measured shares of stree.generate's default tree and of
-DynamicTree(16) on held-out prompts. Medians of interleaved repeats; a table on stdout and JSON.
+DynamicTree(16) on held-out prompts. Medians of interleaved repeats. Prints the device, CPU flags and the pair's
+shapes, then the tables; writes JSON.
 
-    python benchmarks/draft_share.py                      # the bundled pair, float32
-    python benchmarks/draft_share.py --dtype bfloat16
+    python -m benchmarks.decoding.draft_share                      # the bundled pair, float32
+    python -m benchmarks.decoding.draft_share --dtype bfloat16
 """
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 
-# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
-# package that transformers probes for when it is imported. Drop the folder first.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import stree  # noqa: E402
-from stree.demo import demo_pair, held_out_prompts  # noqa: E402
-from stree.draft import draft_tree  # noqa: E402
-from stree.models import TreeModel  # noqa: E402
-from stree.sampling import Sampler  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import stree
+from benchmarks.common import SHORT_DTYPES, device_line, machine_info, model_shape, results_path, write_json
+from stree.demo import demo_pair, held_out_prompts
+from stree.drafting import draft_tree
+from stree.models import TreeModel
+from stree.sampling import Sampler
 
 
 def hand_step(draft, tokens, conv, ssm):
@@ -69,7 +61,7 @@ def hand_step(draft, tokens, conv, ssm):
 def committed_states(model):
     """A prefilled TreeModel's committed states, every layer stacked, as hand_step takes them: conv
     (batch, layers, conv_dim, K) and ssm (batch, layers, heads, head_dim, d_state), copies."""
-    cache, layers = model.cache, range(model.model.config.num_hidden_layers)
+    cache, layers = model.cache, range(model.config.num_hidden_layers)
     return (torch.stack([cache.conv[j] for j in layers], dim=1).clone(),
             torch.stack([cache.recurrent[j] for j in layers], dim=1).clone())
 
@@ -107,18 +99,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=os.path.join(RESULTS, "draft-share-cpu.json"))
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/draft-share-<dtype>.json)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     target, draft, tokenizer = demo_pair(dtype=dtype)
     target.generation_config.eos_token_id = None
     prompts = held_out_prompts(tokenizer, args.prompts, 32)
-    name = f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"
-    print(f"device: cpu ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
-    print(f"draft: mamba2, {draft.config.num_hidden_layers} layer(s), hidden {draft.config.hidden_size}, vocab "
-          f"{draft.config.vocab_size}; target: {target.config.model_type}, {target.config.num_hidden_layers} layers, "
-          f"hidden {target.config.hidden_size}; a level expands {args.rows} nodes, the target verifies {args.nodes}")
+    machine = machine_info("cpu")
+    print(device_line(machine) + f"; {args.dtype}")
+    print(f"draft: {model_shape(draft)}; target: {model_shape(target)}")
+    print(f"a level expands {args.rows} nodes, the target verifies {args.nodes}")
     error = check_hand_step(draft, prompts[0], 7)
     print(f"hand-written step vs HF's forward: max |logit difference| {error:.1e}")
 
@@ -204,12 +196,10 @@ def main():
         measured.append(row)
         print(f"{label:>22} {row['tokens_per_s']:7.1f} {row['tau']:5.2f} {row['levels_per_round']:7.2f} "
               f"{row['draft_ms']:9.2f} {row['verify_ms']:10.2f} {row['draft_share']:6.1%}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(device="cpu", device_name=name, threads=torch.get_num_threads(), dtype=args.dtype,
-                       rows_per_level=E, target_nodes=args.nodes, hand_step_error=error, pass_ms=pass_ms,
-                       shares=shares, measured=measured), f, indent=1)
-    print(f"wrote {args.out}")
+    out = args.out or results_path(machine, f"draft-share-{SHORT_DTYPES[args.dtype]}.json")
+    write_json(out, dict(machine, dtype=args.dtype, rows_per_level=E, target_nodes=args.nodes, hand_step_error=error,
+                         pass_ms=pass_ms, shares=shares, measured=measured))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

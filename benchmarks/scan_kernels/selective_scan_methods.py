@@ -9,20 +9,17 @@ The two exact ways to compute a Mamba1 (per-channel A) selective scan over a T-n
            every node from fresh kept states, all nodes of one level at once from their parents' states, O(T dim N)
            work in `depth` sequential steps;
   step1    one HF-style single-token decode update (what the tree pass replaces), for scale.
-Both tree methods are checked against each other before timing. Prints a table (ms, fastest of interleaved
-repeats) and writes JSON.
+Both tree methods are checked against each other before timing. Prints the device and CPU flags, the shapes and a
+table (ms, fastest of interleaved repeats); writes JSON.
 
-    python benchmarks/selective_scan_methods.py [--threads 1] [--quick] [--out PATH]
+    python -m benchmarks.scan_kernels.selective_scan_methods [--threads 1] [--quick] [--out PATH]
 """
 import argparse
-import json
-import os
-import platform
 
 import torch
 import torch.nn.functional as F
 
-from kernels import time_all
+from benchmarks.common import device_line, machine_info, results_path, time_all, write_json
 from stree import random_parents
 from stree.triton_kernels import TreeIndex, tree_selective_scan
 
@@ -77,22 +74,25 @@ def bench(dim, T, kind, generator):
                     * case["x"][:, 0, :, None])
         return state @ case["C"][:, 0, :, None]
 
-    times = time_all(dict(closed=closed, levels=levels, step1=step1), torch.device("cpu"), min_time=0.3, min_reps=3)
+    times = time_all(dict(closed=closed, levels=levels, step1=step1), "cpu", min_time=0.3, min_reps=3)
     return dict(times, depth=int(index.depth.max()) + 1, rel_err=err)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/selective-scan-methods-cpu.json")
+    parser.add_argument("--quick", action="store_true", help="mamba-130m only, T in 1, 8, 32")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/selective-scan-methods.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     shapes = {"mamba-130m": SHAPES["mamba-130m"]} if args.quick else SHAPES
     sizes = (1, 8, 32) if args.quick else TREE_SIZES
-    print(f"device cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-          f"threads {args.threads}, fp32, batch 1, dstate {DSTATE}")
+    machine = machine_info("cpu")
+    print(device_line(machine))
+    print("fp32, batch 1, dstate " + str(DSTATE) + "; intermediate size per shape: "
+          + ", ".join(f"{name} {dim}" for name, dim in shapes.items()))
     print(f"{'shape':12} {'tree':6} {'T':>3} {'depth':>5} {'closed ms':>10} {'levels ms':>10} {'step1 ms':>9} "
           f"{'closed/levels':>13}")
     rows = []
@@ -103,10 +103,9 @@ def main():
                 rows.append(r)
                 print(f"{name:12} {kind:6} {T:3d} {r['depth']:5d} {r['closed']:10.3f} {r['levels']:10.3f} "
                       f"{r['step1']:9.3f} {r['closed'] / r['levels']:13.2f}", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(device="cpu", threads=args.threads, torch=torch.__version__, rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    out = args.out or results_path(machine, "selective-scan-methods.json")
+    write_json(out, dict(machine, dstate=DSTATE, rows=rows))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

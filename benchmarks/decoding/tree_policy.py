@@ -12,34 +12,28 @@ run to run, which buries differences of a few percent between policies. This scr
 The modelled tokens/s are then the same on every run of the same code; the real tokens/s of the same runs are
 printed beside them. Also printed: how often the target chose a draft child of each draft probability, and how
 often nodes of each depth were accepted against their draft path probability (rounds of DynamicTree(16)): what the
-adaptive tree's greedy estimates are built on.
+adaptive tree's greedy estimates are built on. The device, CPU flags and the pair's shapes come first; JSON last.
 
-    python benchmarks/tree_policy.py                      # the bundled pair, float32, 8 prompts x 128 tokens
-    python benchmarks/tree_policy.py --dtype bfloat16
-    python benchmarks/tree_policy.py --costs benchmarks/results/tree-policy-cpu-float32.json   # the same costs
+    python -m benchmarks.decoding.tree_policy                  # the bundled pair, float32, 8 prompts x 128 tokens
+    python -m benchmarks.decoding.tree_policy --dtype bfloat16
+    python -m benchmarks.decoding.tree_policy --costs benchmarks/results/cpu-epyc-avx2/tree-policy-fp32.json
+                                                               # the same frozen costs as that run
 """
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 
-# Python puts this script's folder first on sys.path; there benchmarks/kernels.py would shadow the `kernels`
-# package that transformers probes for when it is imported. Drop the folder first.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import torch  # noqa: E402
+import stree
+from benchmarks.common import SHORT_DTYPES, device_line, machine_info, model_shape, results_path, write_json
+from stree.adaptive import Acceptance, Pacing, PassTimes, RoundCosts, calibrate
+from stree.decoding import Generation
+from stree.demo import demo_pair, held_out_prompts
+from stree.shapes import tree_shapes
 
-import stree  # noqa: E402
-from stree.adaptive import Acceptance, Pacing, PassTimes, RoundCosts, calibrate  # noqa: E402
-from stree.decoding import Generation  # noqa: E402
-from stree.demo import demo_pair, held_out_prompts  # noqa: E402
-from stree.shapes import tree_shapes  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # label -> (tree, draft_on_device): an adaptive tree grown on the device decides its depth after the first level;
 # "by path probability": the adaptive tree estimating greedy nodes by their draft path probability (the rule before
 # the measured agreement, Acceptance.agreement)
@@ -174,16 +168,18 @@ def main():
     parser.add_argument("--costs", default=None, metavar="JSON",
                         help="reuse the frozen costs of an earlier run's JSON instead of measuring them: the same "
                         "figures then compare two versions of the code exactly")
-    parser.add_argument("--out", default=None, help="JSON path (default: results/tree-policy-cpu-<dtype>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/tree-policy-<dtype>.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     target, draft, tokenizer = demo_pair(dtype=getattr(torch, args.dtype))
     target.generation_config.eos_token_id = None
     prompts = held_out_prompts(tokenizer, args.prompts, 32, seed=1)
-    name = f"{platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"
-    print(f"device: cpu ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}; "
-          f"the bundled pair, {args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy")
+    machine = machine_info("cpu")
+    print(device_line(machine))
+    print(f"{args.dtype}; the bundled pair (target: {model_shape(target)}; draft: {model_shape(draft)}), "
+          f"{args.prompts} held-out prompts x {args.max_new_tokens} new tokens, greedy")
 
     if args.costs:
         with open(args.costs) as f:
@@ -231,14 +227,11 @@ def main():
         print(f"  depth {depth}: {len(group):5d} nodes, path probability {path:.3f}, accepted {accepted:.3f} "
               f"({accepted / path if path else math.inf:.2f}x)")
 
-    out = args.out or os.path.join(RESULTS, f"tree-policy-cpu-{args.dtype}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(device="cpu", device_name=name, threads=torch.get_num_threads(), dtype=args.dtype,
-                       prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                       costs=dict(draft=costs.draft, draft_round=costs.draft_round, verify=costs.verify,
-                                  verify_curve=costs.verify_curve, other=costs.other),
-                       trees=rows, agreement_by_q=by_q, acceptance_by_depth=by_depth), f, indent=1)
+    out = args.out or results_path(machine, f"tree-policy-{SHORT_DTYPES[args.dtype]}.json")
+    write_json(out, dict(machine, dtype=args.dtype, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                         costs=dict(draft=costs.draft, draft_round=costs.draft_round, verify=costs.verify,
+                                    verify_curve=costs.verify_curve, other=costs.other),
+                         trees=rows, agreement_by_q=by_q, acceptance_by_depth=by_depth))
     print(f"wrote {out}")
 
 

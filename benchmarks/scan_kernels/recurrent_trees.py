@@ -14,25 +14,24 @@ round (a root pass, then one extend per level: 3, then 9 nodes, DynamicTree's de
       recompute    the node-form op over every node (tree_gated_delta_rule(..., rows=new)): the UT form from
                    fresh buffers each pass
 
-Prints milliseconds per pass (median of --reps) and the memory each keeps per node and layer. CPU or CUDA, fp32;
---backend picks the package ops' backend (auto: Triton on CUDA).
+Prints the device, the layer shapes and a table of milliseconds per pass (median of --reps) and the memory each way
+keeps per node and layer; writes JSON. CPU or CUDA, fp32; --backend picks the package ops' backend (auto: Triton on
+CUDA).
 
-    python benchmarks/recurrent_trees.py [--device cuda] [--reps 5] [--backend auto]
+    python -m benchmarks.scan_kernels.recurrent_trees [--device cuda] [--reps 5] [--backend auto] [--out PATH]
 """
 import argparse
-import os
-import sys
-import time
 
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
 
-import torch  # noqa: E402
-
-from stree.triton_kernels import (TreeIndex, tree_gated_delta_rows, tree_gated_delta_rule,  # noqa: E402
-                                  tree_selective_rows, tree_selective_scan)
+from benchmarks.common import device_line, machine_info, median_ms, results_path, write_json
+from stree.triton_kernels import (TreeIndex, tree_gated_delta_rows, tree_gated_delta_rule, tree_selective_rows,
+                                  tree_selective_scan)
 
 DRAFT = [1, 3, 9, 9, 9, 9]               # nodes per pass of a draft round (DynamicTree): root, then a level each
 TARGET_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 8, 10, 11, 13, 14]  # 17 nodes, depth 6
+MAMBA1_SHAPE = dict(dim=8192, dstate=16)                                  # Jamba-v0.1's Mamba1 layer
+GATED_DELTA_SHAPE = dict(key_heads=16, value_heads=32, head_dim=128)      # Qwen3.5's Gated DeltaNet layer
 
 
 def draft_tree(slots):
@@ -60,19 +59,6 @@ def levels_of(parents, rows):
     return [torch.tensor([p for p in level if level[p] == d]) for d in range(max(level.values()) + 1)]
 
 
-def median_ms(fn, device, reps):
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
 def passes(parents_list, schedule):
     """The passes of a schedule: (rows tensor, its level positions)."""
     out, start = [], 0
@@ -84,7 +70,7 @@ def passes(parents_list, schedule):
 
 
 def mamba1(device, reps, backend):
-    dim, N, slots = 8192, 16, 64
+    dim, N, slots = MAMBA1_SHAPE["dim"], MAMBA1_SHAPE["dstate"], 64
     g = torch.Generator().manual_seed(0)
     A = -torch.rand(dim, N, generator=g).add_(0.5).to(device)
     rows_by_case = {"draft round": (draft_tree(slots), DRAFT), "target pass": (TARGET_PARENTS + [-1] * (
@@ -118,7 +104,8 @@ def mamba1(device, reps, backend):
 
 
 def gated_delta(device, reps, backend):
-    Hk, Hv, D, slots = 16, 32, 128, 64
+    Hk, Hv, D = (GATED_DELTA_SHAPE[k] for k in ("key_heads", "value_heads", "head_dim"))
+    slots = 64
     g = torch.Generator().manual_seed(1)
     results = {}
     for case, (parents_list, schedule) in {"draft round": (draft_tree(slots), DRAFT), "target pass": (
@@ -170,18 +157,29 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/recurrent-trees.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    print(f"device {device.type}, torch {torch.__version__}, threads {torch.get_num_threads()}, fp32; ms per pass "
-          f"(draft round: {len(DRAFT)} passes of {DRAFT} nodes; target: one pass of {len(TARGET_PARENTS)} nodes)")
+    machine = machine_info(device)
+    print(device_line(machine))
+    print(f"fp32; ms per pass (draft round: {len(DRAFT)} passes of {DRAFT} nodes; target: one pass of "
+          f"{len(TARGET_PARENTS)} nodes)")
+    layers = []
     with torch.no_grad():
-        for name, run in (("Mamba1, Jamba-like layer", mamba1), ("Gated DeltaNet, Qwen3.5-like layer", gated_delta)):
+        for name, shape, run in (("Mamba1, Jamba-like layer", MAMBA1_SHAPE, mamba1),
+                                 ("Gated DeltaNet, Qwen3.5-like layer", GATED_DELTA_SHAPE, gated_delta)):
             results, memory = run(device, args.reps, args.backend)
-            print(f"\n{name}")
+            print(f"\n{name}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
             print(f"{'method':<14}{'draft pass':>12}{'target pass':>13}{'kept per node':>16}")
             for method in memory:
                 print(f"{method:<14}{results['draft round'][method]:>12.2f}{results['target pass'][method]:>13.2f}"
                       f"{memory[method] / 1024:>13.0f} KB")
+            layers.append(dict(layer=name, shape=shape, ms_per_pass=results, bytes_per_node=memory))
+    out = args.out or results_path(machine, "recurrent-trees.json")
+    write_json(out, dict(machine, reps=args.reps, draft_nodes_per_pass=DRAFT, target_parents=TARGET_PARENTS,
+                         layers=layers))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -10,29 +10,22 @@ For each layer shape and tree size T, times in one run (fastest of interleaved r
   hf_chunk     HF's own chunked scan (transformers' mamba2_chunk_scan, the path HF's Mamba2 prefill takes) over
                T tokens: what an ordinary model pays to verify a T-token chain
   chunk_seq    (CUDA with mamba_ssm only) mamba_ssm's chunk scan over T tokens
-CPU runs the PyTorch path, CUDA the Triton path (--backend overrides). Prints the device, shapes and a table of
-ratios; writes JSON. Layer shapes are stree.triton_kernels.aot.MODEL_SHAPES (plus "tiny", for smoke runs).
+CPU runs the PyTorch path, CUDA the Triton path (--backend overrides). Prints the device and CPU flags, the shapes
+and a table of ratios; writes JSON. Layer shapes are stree.triton_kernels.aot.MODEL_SHAPES (plus "tiny", for smoke runs).
 
-    python benchmarks/kernels.py                 # three shapes, T in 1..128
-    python benchmarks/kernels.py --quick         # one shape, a few T (smoke run)
+    python -m benchmarks.scan_kernels.tree_kernels            # three shapes, T in 1..128
+    python -m benchmarks.scan_kernels.tree_kernels --quick    # one shape, a few T (smoke run)
 """
 import argparse
-import json
-import os
-import platform
-import sys
-import time
 
-# This file is `kernels` on sys.path[0], which would shadow the `kernels` package transformers probes for.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import torch
+import torch.nn.functional as F
+from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # noqa: E402
-
-from stree import random_parents  # noqa: E402
-from stree.triton_kernels import tree_scan  # noqa: E402
-from stree.triton_kernels.aot import MODEL_SHAPES  # noqa: E402
+from benchmarks.common import SHORT_DTYPES, device_line, machine_info, results_path, time_all, write_json
+from stree import random_parents
+from stree.triton_kernels import tree_scan
+from stree.triton_kernels.aot import MODEL_SHAPES
 
 # (nheads, headdim, dstate, ngroups) of one Mamba2 mixer.
 SHAPES = {name: tuple(s[k] for k in ("nheads", "headdim", "dstate", "ngroups")) for name, s in MODEL_SHAPES.items()
@@ -40,28 +33,6 @@ SHAPES = {name: tuple(s[k] for k in ("nheads", "headdim", "dstate", "ngroups")) 
 SHAPES["tiny"] = (2, 16, 16, 1)
 DEFAULT_SHAPES = ("mamba2-130m", "mamba2-2.7b", "nemotron-h-8b")
 TREE_SIZES = (1, 4, 8, 16, 32, 64, 128)
-
-
-def time_all(fns, device, min_time=1.0, min_reps=7, max_reps=500):
-    """Fastest wall time in ms of each fn in `fns`, timed round-robin so machine drift hits all alike.
-
-    Each timed call directly follows an untimed call of the same fn, so every fn is measured warm (its data in
-    cache), as a microbenchmark loop would. The minimum, not the median, because on a shared machine the
-    noise only ever adds time.
-    """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {name: [] for name in fns}
-    start = time.perf_counter()
-    while (len(times[next(iter(fns))]) < min_reps
-           or (time.perf_counter() - start < min_time and len(times[next(iter(fns))]) < max_reps)):
-        for name, fn in fns.items():
-            fn()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * min(t) for name, t in times.items()}
 
 
 def make_layer(shape, batch, T, device, dtype, generator):
@@ -180,6 +151,18 @@ def bench_case(shape, T, batch, device, dtype, generator, backend="auto", min_ti
                        sequence_scan="mamba_ssm" if chunk_scan is not None else "stree-chain")
 
 
+def ratios_of(times):
+    """The tree scan's time over each other way's, from bench_case's times."""
+    ratios = {"tree_over_step1": times["tree_random"] / times["step1"],
+              "chain_over_step1": times["tree_chain"] / times["step1"],
+              "tree_over_seqT": times["tree_random"] / times["seqT"],
+              "tree_over_unrolled": times["tree_random"] / times["unrolled"],
+              "tree_over_hf_chunk": times["tree_random"] / times["hf_chunk"]}
+    if "chunk_seq" in times:
+        ratios["tree_over_chunk_seq"] = times["tree_random"] / times["chunk_seq"]
+    return ratios
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
@@ -193,17 +176,17 @@ def main():
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per case")
     parser.add_argument("--min-reps", type=int, default=7, help="repeats per case at least")
     parser.add_argument("--quick", action="store_true", help="mamba2-2.7b only, T in 1, 16, 64")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels-<device>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/<machine kind>/tree-kernels-<dtype>.json)")
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.sizes = ["mamba2-2.7b"], [1, 16, 64]
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device: {device.type} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"dtype {dtype}, batch {args.batch}")
+    machine = machine_info(device)
+    print(device_line(machine))
     backend = args.backend if args.backend != "auto" else "triton" if device.type == "cuda" else "torch"
-    print("backend: " + ("Triton" if backend == "triton" else "PyTorch reference"))
+    print(f"dtype {dtype}, batch {args.batch}, backend " + ("Triton" if backend == "triton" else "PyTorch reference"))
     generator = torch.Generator().manual_seed(0)
     results = []
     for shape_name in args.shapes:
@@ -215,13 +198,7 @@ def main():
         for T in args.sizes:
             times, info = bench_case(shape, T, args.batch, device, dtype, generator, backend, args.min_time,
                                      args.min_reps)
-            ratios = {"tree_over_step1": times["tree_random"] / times["step1"],
-                      "chain_over_step1": times["tree_chain"] / times["step1"],
-                      "tree_over_seqT": times["tree_random"] / times["seqT"],
-                      "tree_over_unrolled": times["tree_random"] / times["unrolled"],
-                      "tree_over_hf_chunk": times["tree_random"] / times["hf_chunk"]}
-            if "chunk_seq" in times:
-                ratios["tree_over_chunk_seq"] = times["tree_random"] / times["chunk_seq"]
+            ratios = ratios_of(times)
             line = (f"{T:>4} {times['tree_random']:>9.3f} {times['step1']:>9.3f} {ratios['tree_over_step1']:>10.2f} "
                     f"{ratios['chain_over_step1']:>11.2f} {ratios['tree_over_seqT']:>9.3f} "
                     f"{ratios['tree_over_unrolled']:>11.2f} {ratios['tree_over_hf_chunk']:>8.2f}")
@@ -230,12 +207,9 @@ def main():
             print(line, flush=True)
             results.append(dict(shape=shape_name, nheads=shape[0], headdim=shape[1], dstate=shape[2],
                                 ngroups=shape[3], T=T, batch=args.batch, times_ms=times, ratios=ratios, **info))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"kernels-{device.type}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(device=device.type, device_name=name, dtype=str(dtype), backend=backend, torch=torch.__version__,
-                       threads=torch.get_num_threads(), results=results), f, indent=1)
+    dtype_name = str(dtype).removeprefix("torch.")
+    out = args.out or results_path(machine, f"tree-kernels-{SHORT_DTYPES[dtype_name]}.json")
+    write_json(out, dict(machine, dtype=str(dtype), backend=backend, results=results))
     print(f"\nwrote {out}")
 
 

@@ -1,0 +1,1 @@
+"""Tree search strategies on a verifiable task (generated arithmetic problems)."""
