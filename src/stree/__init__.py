@@ -2,7 +2,16 @@
 
 Kernels alone: ``stree.triton_kernels`` (imports neither transformers nor the model code).
 """
+from typing import TYPE_CHECKING
+
 from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
+
+if TYPE_CHECKING:  # the names _LAZY loads on first use, spelled out for type checkers and the API docs
+    from .decoding import GenerationStats, generate
+    from .demo import demo_pair
+    from .draft import BeamTree, DynamicTree, StaticTree
+    from .dropin import disable, enable
+    from .models import TreeModel
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
