@@ -55,7 +55,7 @@ GENERATE_RUNS = {
     # loop + DynamicTree(16) took 132 s. (Eager drafting both ways was measured on the second run: the host won,
     # 1.52x against 1.28x HF generate.)
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
-                               "--temperatures", "0", "--trees", "dynamic-16", "dynamic-16-adaptive", "--compile",
+                               "--temperatures", "0", "--trees", "dynamic-16", "adaptive", "--compile",
                                "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
                                "16", "--profile", "30"], None, (245, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],

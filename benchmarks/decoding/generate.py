@@ -24,11 +24,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from benchmarks.common import SHORT_DTYPES, device_line, machine_info, median_ms, results_path, write_json
-from stree import BeamTree, DynamicTree, StaticTree, random_parents
+from stree import BeamTree, random_parents
 from stree.benchmark import compare, format_profile, format_rows
 from stree.demo import demo_pair, held_out_prompts
 from stree.drafting import grows_on_device
 from stree.models import TreeModel, inflate_bamba, tiny_model
+from stree.shapes import parse_tree, tree_name
 
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
 PRESETS = {
@@ -59,16 +60,15 @@ PRESETS = {
         num_key_value_heads=8, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=8, expert_layer_offset=7,
         mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256)),
 }
-TREES = {
-    "chain-4": StaticTree((1, 1, 1, 1)),
-    "static-2211": StaticTree((2, 2, 1, 1)),
-    "dynamic-8": DynamicTree(budget=8, depth=5, top_k=2, frontier=2),
-    "dynamic-16": DynamicTree(budget=16, depth=6, top_k=3, frontier=3),
-    "dynamic-16-adaptive": DynamicTree(budget=16, depth=6, top_k=3, frontier=3, adaptive=True),
-    "dynamic-32": DynamicTree(budget=32, depth=7, top_k=4, frontier=4),
-    "beam-4x4": BeamTree(beams=4, steps=4),
-}
-DEFAULT_TREES = ["chain-4", "dynamic-16", "dynamic-16-adaptive"]
+DEFAULT_TREES = ["chain-4", "dynamic-16", "adaptive"]  # tree names (stree.shapes.parse_tree)
+# This script's labels before the trees had one vocabulary -> their names (the same specs).
+OLD_LABELS = {"static-2211": "static-2,2,1,1", "dynamic-8": "dynamic-8-d5-k2-f2", "dynamic-16-adaptive": "adaptive",
+              "dynamic-32": "dynamic-32-d7-k4-f4"}
+
+
+def tree_arg(text):
+    """--trees: a tree name, or one of this script's older labels."""
+    return parse_tree(OLD_LABELS.get(text, text))
 # The bundled target inflated to a realistic size (0.93B parameters, same outputs): --large.
 LARGE = dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192, num_layers=12)
 
@@ -189,7 +189,8 @@ def parse_args(argv):
     parser.add_argument("--target", default="demo-target",
                         help=f"a local checkpoint, demo-target, or one of {list(PRESETS)}")
     parser.add_argument("--draft", default="demo-draft", help="a local checkpoint, demo-draft, or a preset name")
-    parser.add_argument("--trees", nargs="+", default=DEFAULT_TREES, choices=list(TREES))
+    parser.add_argument("--trees", nargs="+", type=tree_arg, default=[parse_tree(n) for n in DEFAULT_TREES],
+                        help="tree names: adaptive, dynamic-16, chain-4, static-2,2,1,1, beam-4x4, ...")
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=list(SHORT_DTYPES))
     parser.add_argument("--prompts", type=int, default=3)
@@ -242,7 +243,7 @@ def prompts_for(args, model, device):
 def trees_for(args, temperature, device):
     """The tree methods of one table: --trees (no beam trees when sampling) and, greedy with --both-drafting, each
     static/dynamic tree drafted the other way too."""
-    trees = {n: TREES[n] for n in args.trees if temperature == 0 or not isinstance(TREES[n], BeamTree)}
+    trees = {tree_name(t): t for t in args.trees if temperature == 0 or not isinstance(t, BeamTree)}
     if args.both_drafting and temperature == 0:
         other = not grows_on_device(device, args.compile)
         trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)

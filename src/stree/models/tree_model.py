@@ -15,21 +15,23 @@ The tree's structure (ancestors, conv windows, depths) is kept on the host (Host
 The LM head runs only on the rows asked for. commit() writes the accepted node's conv and SSM states in place
 (one commit per group of equal layers) and moves the path's K/V rows into place; its device part runs at the start
 of the next pass, in the same (compiled) call, or when `cache` is read.
-"""
-from dataclasses import dataclass, field
 
+This module is the host side; what a pass runs on the device is tree_pass.py (TreePassRunner), growing the tree on
+the device device_growth.py (DeviceGrowth), compiling it compile.py.
+"""
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..triton_kernels import TreeIndex
 from .cache import StateCache
-from .compile import compile_options, mark_static, own_copy, with_recompile_limit
-from .device_growth import extend_on_device, run_levels
+from .compile import compile_options, own_copy, with_recompile_limit
+from .device_growth import DeviceGrowth
 from .families import ATTENTION_FREE, LOGIT_SCALE, check_model, find_mixers
-from .hf_forward import blocks_forward, swapped, tree_attention_mask, weights_version
+from .families import MIXER_KINDS, SSM_FAMILIES, SUPPORTED_MODEL_TYPES, TRANSFORMER_FAMILIES  # noqa: F401 (old home)
+from .hf_forward import swapped, weights_version
 from .host_tree import HostTree, to_device
 from .packed import packed_linears
+from .tree_pass import TreePass, TreePassRunner  # noqa: F401 (TreePass: its old import path)
 
 # Attention positions reserved past the prompt when prefill() is not told the final length.
 DEFAULT_RESERVE = 256
@@ -37,18 +39,7 @@ DEFAULT_RESERVE = 256
 CAPACITY_STEP = 512
 
 
-@dataclass
-class TreePass:
-    """What a pass's tree mixers need: the TreeIndex over all node slots, the new nodes' ids rows (R,), and for
-    SEQUENTIAL kinds levels: positions into rows grouped by level, shallowest first (a tuple of (W,) tensors; see
-    TreeModel._level_positions), for a recurrence that computes each node from its parent's state."""
-    index: object
-    rows: torch.Tensor
-    levels: tuple = ()
-    shared: dict = field(default_factory=dict)  # what kinds derive from the tree once for every layer of the pass
-
-
-class TreeModel:
+class TreeModel(TreePassRunner, DeviceGrowth):
     """Wraps a loaded HF model (its modules and weights are used as they are, nothing is copied; the TreeModel holds
     its modules, not the model object).
 
@@ -92,17 +83,6 @@ class TreeModel:
         """The StateCache, the last commit applied."""
         self._apply_pending()
         return self._cache
-
-    def _apply_pending(self):
-        """Run the pending commit's device part now (eagerly) rather than with the next pass."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            try:
-                with torch.no_grad():
-                    self._commit(*pending)
-            except BaseException:  # whether it was applied is unknown: the state is lost
-                self._cache = self.tree = None
-                raise
 
     @property
     def length(self):
@@ -256,46 +236,6 @@ class TreeModel:
         rows = width if self.pass_width is not None else self._min_rows
         return width, head_rows + [0] * (rows - len(head_rows))
 
-    def _call(self, *args):
-        """self.run(*args) with the tree mixers and packed linears swapped in; the pass's state cleared after."""
-        try:
-            with swapped({**self._linears, **self._tree_forwards}):
-                return self.run(*args)
-        finally:
-            self._cache.end_pass()
-            self._pass = None
-
-    @torch.no_grad()
-    def extend_on_device(self, R, depth, choose, args=(), then=None, *, more=None):
-        """Grow the uncommitted tree by one level of R new nodes chosen on the device, without a host sync.
-
-        choose(ids, *args) -> (tokens, parents, carry): ids (R,) the new nodes' ids on the device (the next R ids, as
-        in extend()); the new nodes' tokens and parents, (batch, R) int64 tensors on the model's device, parents
-        ids of nodes already in the tree. Every new node is `depth` below the committed sequence (position
-        length + depth).
-        then(logits, carry) -> out, logits (batch, R, vocab) of the new nodes; without it out = logits.
-        Both run inside the pass's call (compiled with it: a level of drafting is one call). Returns out.
-        more: further levels grown in the same call (compiled: one graph, on CUDA one replay, for them all),
-        ((R, depth, choose, then, args_of), ...): the next level's choose() gets args_of(out) of the level before
-        it. Then (even when empty) returns [out of every level].
-        The host tree learns the new nodes in settle(), which extend(), commit() and host-built passes need
-        first; the tree cannot grow its slots here (tree_forward's `slots`).
-        """
-        if self.tree is None:
-            raise RuntimeError("no tree to extend: call tree_forward() first")
-        outs = extend_on_device(self, [(R, depth, choose, then, None), *(more or ())], args)
-        return outs if more is not None else outs[0]
-
-    def settle(self, parents):
-        """Tell the host tree the parents of the nodes extend_on_device() added since tree_forward() or the last
-        settle(): parents (batch, n), in the order the nodes were added (the caller has them on the host; nothing
-        is copied here)."""
-        parents = np.asarray(parents, dtype=np.int64).reshape(self._cache.batch, -1)
-        if parents.shape[1] != self._unsettled:
-            raise ValueError(f"{self._unsettled} nodes were added on the device, got parents for {parents.shape[1]}")
-        self.tree.add(parents)
-        self._unsettled = 0
-
     def _check_settled(self):
         if self._unsettled:
             raise RuntimeError("nodes added by extend_on_device() are not settled: call settle() first")
@@ -306,59 +246,6 @@ class TreeModel:
         levels = padded_levels(levels, self._level_widths, self._compiled, self.pass_width is not None)
         flat = to_device(np.concatenate(levels), self.device)
         return flat.split([len(level) for level in levels])
-
-    def _run(self, flat, layout, levels, pending, grown=None):
-        """The device part of a pass (no host sync, shapes fixed by the slots and pass width) over HostTree.pass_inputs'
-        (flat, layout) and the levels of _level_positions, after the pending commit's (the arguments of _commit, or
-        None). Returns logits (batch, K = the pass's head rows, vocab); with `grown` (extend_on_device), what
-        device_growth.run_levels returns."""
-        if pending is not None:
-            self._commit(*pending)
-        if grown is None:
-            return self._forward(flat, layout, levels)
-        return run_levels(self._forward, flat, layout, levels, grown)
-
-    def _forward(self, flat, layout, levels):
-        """The model's forward over a pass's tensor: logits (batch, K, vocab)."""
-        inputs = HostTree.unpack(flat, layout)
-        cache, rows, tokens = self._cache, inputs["rows"], inputs["tokens"]
-        index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
-        kwargs = dict(position_ids=inputs["positions"])
-        if self.uses_attention:
-            kwargs["attention_mask"] = tree_attention_mask(inputs["length"], rows, index.mask, tokens.shape[0],
-                                                           cache.capacity, self.head.weight.dtype)
-            cache.begin_pass(inputs["length"] + rows)
-        self._pass = TreePass(index, rows, levels)
-        if self._direct:
-            hidden = blocks_forward(self.base, tokens)
-        else:
-            hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
-        return self.logits(hidden.index_select(1, inputs["head_rows"]))
-
-    def _mark_static(self):
-        """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them
-        in place); buffers are reallocated only when they grow, which recompiles anyway. Runs before every pass, but
-        walks the buffers only when a capacity changed since it last did (prefill() forgets that on new buffers).
-        The views too: eager passes write through them (compiled ones slice their own in the graph, since a view
-        from outside would be a graph input aliasing its base; see Mamba2Layers.forward)."""
-        adapters = {id(a): a for a, _ in self._layers.values()}.values()
-        cache = self._cache
-        capacities = (cache.capacity, tuple(a.capacity for a in adapters))
-        if capacities != self._marked:
-            mark_static([cache.keys, cache.values, cache.conv, cache.recurrent, [vars(a) for a in adapters],
-                         [(g.conv, g.recurrent) for g in cache.groups]])
-            self._marked = capacities
-
-    def _tree_forward_of(self, layer_idx):
-        def forward(hidden_states, *args, **kwargs):
-            layers, j = self._layers[layer_idx]
-            return layers.forward(j, hidden_states, self._pass, *self._cache.states(layer_idx))
-        return forward
-
-    def logits(self, hidden):
-        """The model's LM head (with its family's output scaling) on final hidden states (..., hidden)."""
-        logits = self.head(hidden.to(self.head.weight.dtype))
-        return logits if self.logit_scale is None else self.logit_scale(logits, self.config, self.base)
 
     @torch.no_grad()
     def commit(self, nodes):
@@ -379,20 +266,6 @@ class TreeModel:
         self._pending = tree.pass_inputs(0, 0, cache.length, self.device, extra=moves)
         cache.length += n
         self.tree = None
-
-    def _commit(self, flat, layout):
-        """The device part of a commit (no host sync; fixed shapes): every state group to path(nodes) of the tree, and
-        the K/V moves, all read from HostTree.pass_inputs' (flat, layout) of commit(): the tree's structure, then as
-        `extra` the nodes (batch,) and the moves (2, batch, slots): source and destination positions. (Not the last
-        pass's inputs: the TreeIndex a pass builds also caches what depended on its rows, which would make the
-        commit's graph depend on them.)"""
-        inputs = HostTree.unpack(flat, layout)
-        batch, slots = layout.batch, layout.capacity
-        nodes, moves = inputs["extra"][:batch], inputs["extra"][batch:].view(2, batch, slots)
-        index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
-        for layers in {id(layers): layers for layers, _ in self._layers.values()}.values():
-            layers.commit(index, nodes)
-        self._cache.move_positions(moves[0], moves[1])
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
