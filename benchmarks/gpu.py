@@ -5,7 +5,7 @@ command that measures everything the first few minutes a GPU is lent.
                                                      # and sm_90; registers, spills, shared memory, fits or not
     python benchmarks/gpu.py --out DIR               # a CUDA machine: the three steps below, < 10 min on one H200
     python benchmarks/gpu.py --out DIR --dry-run     # the same steps on CPU at tiny sizes, Triton interpreted
-    (a GPU machine without internet and with transformers < 5.24: README "GPU run" says what to carry there)
+    (a GPU machine without internet and with transformers < 5.24: docs/gpu.md says what to carry there)
 
 Each step runs as a subprocess under its own time budget (BUDGETS, GENERATE_RUNS) and writes its JSON into DIR as
 soon as it finishes, so a step that fails or overruns loses nothing written before it; DIR/summary.md and

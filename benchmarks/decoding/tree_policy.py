@@ -38,16 +38,17 @@ from stree.shapes import tree_shapes
 # "by path probability": the adaptive tree estimating greedy nodes by their draft path probability (the rule before
 # the measured agreement, Acceptance.agreement)
 TREES = {
-    "default (adaptive)": (stree.DynamicTree(adaptive=True), False),
-    "default, device-grown": (stree.DynamicTree(adaptive=True), True),
+    "adaptive": (stree.DynamicTree(adaptive=True), False),
+    "adaptive, device-grown": (stree.DynamicTree(adaptive=True), True),
     "adaptive by path prob.": (stree.DynamicTree(adaptive=True), False),
-    "DynamicTree(16)": (stree.DynamicTree(16), False),
-    "DynamicTree(8, depth 4)": (stree.DynamicTree(8, depth=4), False),
-    "DynamicTree(6, depth 3)": (stree.DynamicTree(6, depth=3), False),
-    "DynamicTree(4, depth 2)": (stree.DynamicTree(4, depth=2), False),
-    "chain (1, 1, 1, 1)": (stree.StaticTree((1, 1, 1, 1)), False),
-    "chain (1, 1)": (stree.StaticTree((1, 1)), False),
+    "dynamic-16": (stree.DynamicTree(16), False),
+    "dynamic-8-d4": (stree.DynamicTree(8, depth=4), False),
+    "dynamic-6-d3": (stree.DynamicTree(6, depth=3), False),
+    "dynamic-4-d2": (stree.DynamicTree(4, depth=2), False),
+    "chain-4": (stree.StaticTree((1, 1, 1, 1)), False),
+    "chain-2": (stree.StaticTree((1, 1)), False),
 }
+
 TIMINGS = ("draft", "draft_round", "verify", "verify_curve", "other")
 
 
@@ -206,10 +207,10 @@ def main():
               f"{r['nodes'] / r['rounds']:6.1f} {share / r['modelled_s']:11.1%}")
         r.update(modelled_tokens_per_s=rate, x_best_fixed=rate / best_fixed, draft_share=share / r["modelled_s"])
 
-    nodes = node_statistics(recorded["DynamicTree(16)"])
+    nodes = node_statistics(recorded["dynamic-16"])
     edges = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001]
     by_q = []
-    print("\nDynamicTree(16)'s verified nodes: how often the target chose a child of draft probability q")
+    print("\ndynamic-16's verified nodes: how often the target chose a child of draft probability q")
     for low, high in zip(edges, edges[1:]):
         group = [n for n in nodes if low <= n[0] < high]
         if group:

@@ -1,6 +1,6 @@
 """Same-run speed comparisons of tree decoding against HF's own generate and stree's own autoregressive loop.
 
-Used by `stree bench` and benchmarks/generate.py. Every method decodes the same prompts; the methods of one repeat
+Used by `stree bench` and benchmarks/decoding/generate.py. Every method decodes the same prompts; the methods of one repeat
 run back to back, so a ratio compares runs that saw the same machine load, and repeats give its range.
 """
 import copy

@@ -13,13 +13,14 @@ softplus(dt + dt_bias) in the model dtype, then
     y = (h @ C + D·x) · silu(z)                   (in the model dtype, as HF)
 
 Kept states. A per-channel decay has no cheap masked closed form (T x T x dim x N terms, 20-70x the recurrence at
-16-32 nodes, benchmarks/selective_scan_methods.py), so every node's state is kept in a per-slot buffer: a pass
-computes only its new nodes from their parents' kept states (an extend, one new level, is a single batched update)
-and the commit copies the accepted node's state (no replay). The new nodes of one pass can form chains (the
+16-32 nodes, benchmarks/scan_kernels/selective_scan_methods.py), so every node's state is kept in a per-slot buffer:
+a pass computes only its new nodes from their parents' kept states (an extend, one new level, is a single batched
+update) and the commit copies the accepted node's state (no replay). The new nodes of one pass can form chains (the
 target's verify pass holds the whole tree): the package's stree.triton_kernels.tree_selective_rows walks them, on
-CUDA as a Triton kernel row by row in pass order, elsewhere level by level in PyTorch (TreePass.levels, built on
-the host), each level's nodes at once from their parents' kept states; a pass costs one update per new node. Memory: (capacity + 1) x dim x N states per layer in the state's dtype (HF keeps fp32;
-Jamba-1.5-Mini, dim 8192, N 16: 512 KB per node and layer).
+CUDA as a Triton kernel row by row in pass order, elsewhere level by level in PyTorch (TreePass.levels, built on the
+host), each level's nodes at once from their parents' kept states; a pass costs one update per new node. Memory:
+(capacity + 1) x dim x N states per layer in the state's dtype (HF keeps fp32; Jamba-1.5-Mini, dim 8192, N 16: 512
+KB per node and layer).
 """
 import torch
 import torch.nn.functional as F

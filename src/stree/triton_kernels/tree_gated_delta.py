@@ -233,11 +233,16 @@ def tree_gated_delta_commit(state, parents, nodes, keys, gates, updates, *, back
     """States after path(nodes[b]) for a stack of n layers (engine form): exp(G_a)·S0 + sum_j exp(G_a - G_j)·k_j ⊗
     u_j over the kept buffers.
 
-    Args: state (n, batch, Hv, Dk, Dv) the committed states (any float dtype, any strides over n and batch);
-        parents: the TreeIndex over the T slots (or parents); nodes (batch,) accepted slot per row, -1 = nothing
-        accepted (the state comes back); keys (n, batch, T, Hk, Dk), gates (n, batch, T, Hv), updates (n, batch,
-        T, Hv, Dv) as tree_gated_delta_rows left them; backend, validate as there.
-    Returns: (n, batch, Hv, Dk, Dv) in the buffers' dtype.
+    Args:
+        state: (n, batch, Hv, Dk, Dv) the committed states (any float dtype, any strides over n and batch).
+        parents: the TreeIndex over the T slots (or (batch, T) parents).
+        nodes: (batch,) the accepted slot of each row, -1 = nothing accepted (the state comes back).
+        keys, gates, updates: (n, batch, T, Hk, Dk), (n, batch, T, Hv) and (n, batch, T, Hv, Dv), as
+            tree_gated_delta_rows left them.
+        backend, validate: as in tree_gated_delta_rows.
+
+    Returns:
+        states: (n, batch, Hv, Dk, Dv) in the buffers' dtype.
     """
     return dispatch_commit(state, parents, nodes, keys, gates, updates, backend, validate, False)
 

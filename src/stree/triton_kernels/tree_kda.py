@@ -44,10 +44,16 @@ def tree_kda_commit(state, parents, nodes, keys, gates, updates, *, backend="aut
     """States after path(nodes[b]) for a stack of n layers (engine form): diag(exp(G_a))·S0 + sum_j (exp(G_a - G_j)
     ⊙ k_j) ⊗ u_j.
 
-    Args: state (n, batch, H, Dk, Dv) the committed states (any float dtype, any strides over n and batch);
-        parents: the TreeIndex over the T slots; nodes (batch,), -1 = nothing accepted (the state comes back);
-        keys, gates (n, batch, T, H, Dk), updates (n, batch, T, H, Dv) as tree_kda_rows left them.
-    Returns: (n, batch, H, Dk, Dv) in the buffers' dtype.
+    Args:
+        state: (n, batch, H, Dk, Dv) the committed states (any float dtype, any strides over n and batch).
+        parents: the TreeIndex over the T slots (or (batch, T) parents).
+        nodes: (batch,) the accepted slot of each row, -1 = nothing accepted (the state comes back).
+        keys, gates, updates: (n, batch, T, H, Dk), (n, batch, T, H, Dk) and (n, batch, T, H, Dv), as
+            tree_kda_rows left them.
+        backend, validate: as in tree_kda_rows.
+
+    Returns:
+        states: (n, batch, H, Dk, Dv) in the buffers' dtype.
     """
     return dispatch_commit(state, parents, nodes, keys, gates, updates, backend, validate, True)
 

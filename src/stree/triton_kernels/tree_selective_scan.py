@@ -5,10 +5,11 @@ Per channel d of the intermediate size, with a state of N numbers (A = -exp(A_lo
     h_i = exp(dt_i ⊙ A) ⊙ h_parent(i) + (dt_i ⊙ x_i) ⊗ B_i           (h_i, A: (dim, N); B_i, C_i: (N,))
     y_i = (h_i · C_i + D ⊙ x_i) ⊙ silu(z_i)                         (z optional: HF applies the gate here)
 
-With a per-channel A the masked closed form (Mamba2's, docs/design.md §2) needs a decay per (node, ancestor, channel,
-state) pair: T x T x dim x N terms against the recurrence's T x dim x N. Measured on CPU at Mamba-130m to Jamba
-shapes (benchmarks/selective_scan_methods.py) it costs 1.0-1.4x the recurrence at T = 1 and 20-70x at T = 16-32,
-so every node's state is kept in a per-slot buffer and a pass walks its new nodes from their parents' kept states.
+With a per-channel A the masked closed form (Mamba2's, docs/design.md §2) needs a decay per (node, ancestor,
+channel, state) pair: T x T x dim x N terms against the recurrence's T x dim x N. Measured on CPU at Mamba-130m to
+Jamba shapes (benchmarks/scan_kernels/selective_scan_methods.py) it costs 1.0-1.4x the recurrence at T = 1 and
+20-70x at T = 16-32, so every node's state is kept in a per-slot buffer and a pass walks its new nodes from their
+parents' kept states.
 Operations follow HF's single-token decode path (``mamba_selective_state_update``), which HF's greedy generate
 runs every new token through: dt gets dt_bias and softplus in dt's own dtype, then the update accumulates in fp32
 (fp64 for fp64 inputs; HF's decode step computes in fp32 even for fp64 models).
