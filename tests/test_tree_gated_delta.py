@@ -3,12 +3,16 @@ import importlib
 import pytest
 import torch
 
+from kernel_checks import (DeltaOp, assert_close, assert_matches_hf, assert_rejects, assert_rows_independent,
+                           assert_states, check_delta_engine, check_delta_engine_empty, check_delta_engine_exact,
+                           check_delta_exact, check_delta_rule, cpu, delta_engine_args, delta_inputs, pick_rows,
+                           seeded_trees, state_args)
 from loops import BACKENDS, KINDS, gated_delta_loop, path_to, random_rows
-from stree import random_parents
 from stree.triton_kernels import (TreeIndex, l2norm_rsqrt, tree_gated_delta_commit, tree_gated_delta_rows,
                                   tree_gated_delta_rule, tree_gated_delta_states)
 
-TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+GATED_DELTA = DeltaOp(rule=tree_gated_delta_rule, states=tree_gated_delta_states, rows=tree_gated_delta_rows,
+                      commit=tree_gated_delta_commit, loop=gated_delta_loop, l2norm=l2norm_rsqrt)
 HF_MODULES = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
 
 
@@ -18,34 +22,18 @@ def hf_function(module, name):
 
 def make_inputs(parents_rows, key_heads=1, value_heads=2, dk=8, dv=6, seed=0, dtype=torch.float32, device="cpu",
                 h0=True):
-    """Gated-DeltaNet-like inputs: g = -exp(A_log) * softplus(a) < 0, beta = sigmoid(b) in (0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    batch, T = len(parents_rows), len(parents_rows[0])
+    """Gated-DeltaNet-like inputs (kernel_checks.delta_inputs): q, k (batch, T, key_heads, dk), v (batch, T,
+    value_heads, dv), g = -exp(A_log) * softplus(a) < 0 and beta = sigmoid(b) in (0, 1), both (batch, T,
+    value_heads)."""
+    return delta_inputs(parents_rows, key_heads, value_heads, dk, dv, (), seed, dtype, device, h0)
 
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    inputs = dict(q=rnd(batch, T, key_heads, dk), k=rnd(batch, T, key_heads, dk), v=rnd(batch, T, value_heads, dv),
-                  g=(-torch.rand(batch, T, value_heads, generator=g)).to(device),
-                  beta=torch.rand(batch, T, value_heads, generator=g).to(device, dtype),
-                  parents=torch.tensor(parents_rows, device=device, dtype=torch.long))
-    extras = dict(use_qk_l2norm=True,
-                  initial_state=torch.randn(batch, value_heads, dk, dv, generator=g).to(device) if h0 else None)
+def fp64_inputs(T, seed):
+    """make_inputs in float64 on the CPU for a random tree of T nodes (2 rows), tree and inputs seeded `seed`;
+    the initial state in float64 too."""
+    inputs, extras = make_inputs(random_rows("random", T, batch=2, seed=seed), seed=seed, dtype=torch.float64)
+    extras["initial_state"] = extras["initial_state"].double()
     return inputs, extras
-
-
-def cpu(args):
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
-
-
-def state_args(inputs):
-    return {k: v for k, v in inputs.items() if k != "q"}
-
-
-def assert_close(actual, expected, dtype):
-    err = (actual.double().cpu() - expected).abs().max().item()
-    scale = expected.abs().max().item() + 1e-6
-    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -54,9 +42,8 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_gated_delta_matches_loop(backend, kind, T, seed, device):
     inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=seed), seed=seed, device=device)
-    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    o = check_delta_rule(GATED_DELTA, inputs, extras, backend)
     assert o.shape == inputs["v"].shape and o.dtype == inputs["q"].dtype
-    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -70,29 +57,19 @@ def test_tree_gated_delta_options(backend, options, device):
     inputs, extras = make_inputs(rows, seed=5, device=device, h0=options != "no_h0", **shape)
     if options == "no_l2norm_scale":
         extras.update(use_qk_l2norm=False, scale=0.1)
-    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
-    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+    check_delta_rule(GATED_DELTA, inputs, extras, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tree_gated_delta_low_precision(backend, dtype, device):
     inputs, extras = make_inputs(random_rows("random", 20, batch=2, seed=7), seed=7, dtype=dtype, device=device)
-    o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
+    o = check_delta_rule(GATED_DELTA, inputs, extras, backend, dtype)
     assert o.dtype == dtype
-    assert_close(o, gated_delta_loop(**cpu(inputs), **cpu(extras))[0], dtype)
 
 
 def test_tree_gated_delta_float64_torch_is_exact():
-    inputs, extras = make_inputs(random_rows("random", 25, batch=2, seed=8), seed=8, dtype=torch.float64)
-    extras["initial_state"] = extras["initial_state"].double()
-    o = tree_gated_delta_rule(**inputs, **extras)
-    assert o.dtype == torch.float64
-    o_ref, states = gated_delta_loop(**inputs, **extras)
-    assert_close(o, o_ref, torch.float64)
-    got = tree_gated_delta_states(**state_args(inputs), nodes=torch.tensor([24, -1]), **extras)
-    assert_close(got[0], states[0, 24], torch.float64)
-    assert_close(got[1], extras["initial_state"][1], torch.float64)
+    check_delta_exact(GATED_DELTA, *fp64_inputs(25, seed=8))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,8 +83,7 @@ def test_tree_gated_delta_rows_match_loop(backend, kind, per_row, device):
     rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
             else torch.tensor([T - 1, 0, 5, 5, 12]))
     o = tree_gated_delta_rule(**inputs, **extras, rows=rows.to(device), backend=backend)
-    o_ref = gated_delta_loop(**cpu(inputs), **cpu(extras))[0]
-    want = torch.stack([o_ref[b, rows[b] if per_row else rows] for b in range(2)])
+    want = pick_rows(gated_delta_loop(**cpu(inputs), **cpu(extras))[0], rows, per_row)
     assert o.shape == want.shape
     assert_close(o, want, torch.float32)
 
@@ -124,9 +100,7 @@ def test_tree_gated_delta_states_matches_loop(backend, kind, seed, device):
     states = tree_gated_delta_states(**state_args(inputs), nodes=nodes.to(device), **extras, backend=backend)
     assert states.shape == extras["initial_state"].shape and states.dtype == torch.float32
     _, all_states = gated_delta_loop(**cpu(inputs), **cpu(extras))
-    for b in range(3):
-        want = extras["initial_state"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
-        assert_close(states[b], want, torch.float32)
+    assert_states(states, nodes, extras["initial_state"], all_states)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -142,10 +116,8 @@ def test_chain_equals_hf_recurrent_rule(backend, module, device):
     o_hf, final = hf_function(module, "torch_recurrent_gated_delta_rule")(
         args["q"], args["k"], args["v"], g=args["g"], beta=args["beta"], initial_state=extras["initial_state"],
         output_final_state=True, use_qk_l2norm_in_kernel=True)
-    torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
-    last = tree_gated_delta_states(**state_args(inputs), nodes=torch.full((2,), T - 1, device=device), **extras,
-                                   backend=backend)
-    torch.testing.assert_close(last, final, rtol=1e-5, atol=1e-5)
+    assert_matches_hf(GATED_DELTA, inputs, extras, o, o_hf, torch.full((2,), T - 1, device=device), final, 1e-5,
+                      backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,22 +134,16 @@ def test_path_equals_hf_chunked_rule(backend, device):
         o_hf, final = chunked(seq["q"], seq["k"], seq["v"], g=seq["g"], beta=seq["beta"], chunk_size=4,
                               initial_state=extras["initial_state"], output_final_state=True,
                               use_qk_l2norm_in_kernel=True)
-        torch.testing.assert_close(o[:, path], o_hf, rtol=1e-4, atol=1e-4)
-        got = tree_gated_delta_states(**state_args(inputs), nodes=torch.tensor([a], device=device), **extras,
-                                      backend=backend)
-        torch.testing.assert_close(got, final, rtol=1e-4, atol=1e-4)
+        assert_matches_hf(GATED_DELTA, inputs, extras, o[:, path], o_hf, torch.tensor([a], device=device), final,
+                          1e-4, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_row_trees_are_independent(backend, device):
     """Row b's outputs depend only on row b's tree: a batch equals its rows run one at a time."""
-    rows = [random_parents(16, torch.Generator().manual_seed(s)) for s in range(3)]
-    inputs, extras = make_inputs(rows, seed=9, device=device)
+    inputs, extras = make_inputs(seeded_trees(16, batch=3), seed=9, device=device)
     o = tree_gated_delta_rule(**inputs, **extras, backend=backend)
-    for b in range(3):
-        one = {k: v[b:b + 1] for k, v in inputs.items()}
-        torch.testing.assert_close(tree_gated_delta_rule(**one, **dict(extras, initial_state=extras["initial_state"]
-                                                                       [b:b + 1]), backend=backend), o[b:b + 1])
+    assert_rows_independent(tree_gated_delta_rule, inputs, extras, o, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -201,30 +167,6 @@ def test_empty_tree_prebuilt_index_and_permuted_inputs(backend, device):
 
 # ---- engine form: a pass's new rows over kept per-slot buffers, and the commit -------------------------------------
 
-def engine_passes(inputs, extras, passes, capacity, backend, seed):
-    """Drive tree_gated_delta_rows as the engine does: passes [(start, end)] of new nodes over buffers of `capacity`
-    slots that start with garbage (a finished tree's); each pass's index knows the nodes added so far. Returns the
-    outputs of every pass concatenated, the buffers and the last index."""
-    q, k, v, g, beta, parents = (inputs[n] for n in ("q", "k", "v", "g", "beta", "parents"))
-    batch, T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[2:]
-    gen = torch.Generator().manual_seed(seed)
-    keys, gates, updates = (torch.randn(batch, capacity, *shape, generator=gen).to(k.device, k.dtype)
-                            for shape in ((Hk, Dk), (Hv,), (Hv, Dv)))
-    qn, kn = l2norm_rsqrt(q.to(k.dtype)) * Dk ** -0.5, l2norm_rsqrt(k)
-    outs = []
-    for start, end in passes:
-        grown = torch.full((batch, capacity), -1, dtype=torch.long, device=k.device)
-        grown[:, :end] = parents[:, :end]
-        index = TreeIndex(grown)
-        new = slice(start, end)
-        outs.append(tree_gated_delta_rows(qn[:, new], kn[:, new], v[:, new].to(k.dtype), g[:, new].to(k.dtype),
-                                          beta[:, new].to(k.dtype), extras["initial_state"], index,
-                                          torch.arange(start, end, device=k.device), keys, gates, updates,
-                                          backend=backend))
-    return torch.cat(outs, 1), (keys, gates, updates), index
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_passes_and_commit_match_loop(backend, kind, device):
@@ -234,55 +176,25 @@ def test_engine_passes_and_commit_match_loop(backend, kind, device):
     loop's state there, for a stack of two layers whose states are strided as the engine's cache holds them."""
     T, passes = 9, [(0, 1), (1, 4), (4, 5), (5, 9)]
     layers = [make_inputs(random_rows(kind, T, batch=2, seed=3), seed=s, device=device) for s in (3, 4)]
-    results = [engine_passes(*layer, passes, T + 2, backend, seed=s) for s, layer in enumerate(layers)]
-    loops = [gated_delta_loop(**cpu(inputs), **cpu(extras)) for inputs, extras in layers]
-    for (o, _, _), (o_ref, _) in zip(results, loops):
-        assert_close(o, o_ref, torch.float32)
-    cache = torch.stack([extras["initial_state"] for _, extras in layers], 1)         # (batch, n, Hv, Dk, Dv)
-    buffers = [torch.stack(b) for b in zip(*(r[1] for r in results))]
-    for nodes in ([T - 1, 2], [-1, 5]):
-        states = tree_gated_delta_commit(cache.transpose(0, 1), results[0][2], torch.tensor(nodes, device=device),
-                                         *buffers, backend=backend)
-        for layer, (_, all_states) in enumerate(loops):
-            for b, node in enumerate(nodes):
-                want = layers[layer][1]["initial_state"][b].cpu().double() if node < 0 else all_states[b, node]
-                assert_close(states[layer, b], want, torch.float32)
+    check_delta_engine(GATED_DELTA, layers, passes, backend)
 
 
 def test_engine_form_float64_torch_is_exact_and_one_node():
     """fp64 on the torch backend to 1e-10; a tree of one node (T = 1) in one pass."""
     for T, passes in ((10, [(0, 3), (3, 10)]), (1, [(0, 1)])):
-        inputs, extras = make_inputs(random_rows("random", T, batch=2, seed=T), seed=T, dtype=torch.float64)
-        extras["initial_state"] = extras["initial_state"].double()
-        o, buffers, index = engine_passes(inputs, extras, passes, T, "torch", seed=T)
-        o_ref, all_states = gated_delta_loop(**inputs, **extras)
-        assert_close(o, o_ref, torch.float64)
-        states = tree_gated_delta_commit(extras["initial_state"][None], index, torch.tensor([T - 1, 0]),
-                                         *(t[None] for t in buffers))[0]
-        for b, node in enumerate([T - 1, 0]):
-            assert_close(states[b], all_states[b, node], torch.float64)
+        check_delta_engine_exact(GATED_DELTA, *fp64_inputs(T, seed=T), passes, capacity=T, seed=T)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_form_empty(backend, device):
     """No slots: a pass of no rows gives no outputs and the commit of -1 the committed state."""
     inputs, extras = make_inputs([[-1]] * 2, device=device)
-    e = {k: v[:, :0] for k, v in inputs.items()}
-    keys, gates, updates = (torch.zeros(2, 0, *shape, device=device) for shape in ((1, 8), (2,), (2, 6)))
-    index = TreeIndex(e["parents"])
-    o = tree_gated_delta_rows(e["q"], e["k"], e["v"], e["g"], e["beta"], extras["initial_state"], index,
-                              torch.arange(0, device=device), keys, gates, updates, backend=backend)
-    assert o.shape == (2, 0, 2, 6)
-    states = tree_gated_delta_commit(extras["initial_state"][None], index, torch.tensor([-1, -1], device=device),
-                                     keys[None], gates[None], updates[None], backend=backend)
-    torch.testing.assert_close(states[0], extras["initial_state"])
+    check_delta_engine_empty(GATED_DELTA, inputs, extras, backend, out_shape=(2, 0, 2, 6))
 
 
 def _engine_args():
-    inputs, extras = make_inputs([[-1, 0, 1]], seed=0)
-    buffers = dict(keys=torch.zeros(1, 3, 1, 8), gates=torch.zeros(1, 3, 2), updates=torch.zeros(1, 3, 2, 6))
-    return dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], g=inputs["g"], beta=inputs["beta"],
-                state=extras["initial_state"], parents=TreeIndex(inputs["parents"]), rows=torch.arange(3), **buffers)
+    """One tree of 3 nodes in one pass; zero buffers keys (1, 3, 1, 8), gates (1, 3, 2), updates (1, 3, 2, 6)."""
+    return delta_engine_args(*make_inputs([[-1, 0, 1]], seed=0))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -294,10 +206,7 @@ def _engine_args():
     (dict(beta=torch.zeros(1, 3, 2, dtype=torch.float64)), "compute"),
 ])
 def test_engine_form_rejects_bad_input(change, message):
-    args = _engine_args()
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        tree_gated_delta_rows(**args)
+    assert_rejects(tree_gated_delta_rows, _engine_args(), change, message)
 
 
 def test_engine_commit_rejects_bad_nodes_and_shapes():
@@ -329,10 +238,7 @@ def _valid(device="cpu"):
     (dict(rows=torch.tensor([[0, 3]])), "rows must hold node ids"),
 ])
 def test_tree_gated_delta_rejects_bad_input(change, message):
-    args = _valid()
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        tree_gated_delta_rule(**args)
+    assert_rejects(tree_gated_delta_rule, _valid(), change, message)
 
 
 @pytest.mark.parametrize("nodes, message", [(torch.tensor([3]), "out of range"), (torch.tensor([-2]), "out of range"),

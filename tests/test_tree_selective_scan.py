@@ -2,12 +2,11 @@ import pytest
 import torch
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan, mamba_selective_state_update
 
+from kernel_checks import (assert_close, assert_matches_loop, assert_rejects, assert_states, cpu, grown_passes,
+                           pick_rows, seeded_trees)
 from loops import BACKENDS, KINDS, path_to, random_rows, selective_scan_loop
-from stree import random_parents
 from stree.triton_kernels import TreeIndex, tree_selective_rows, tree_selective_scan, tree_selective_states
 from stree.triton_kernels.tree_selective_scan_torch import row_levels
-
-TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
 def make_inputs(parents_rows, dim=12, dstate=5, seed=0, dtype=torch.float32, device="cpu", h0=True):
@@ -27,18 +26,8 @@ def make_inputs(parents_rows, dim=12, dstate=5, seed=0, dtype=torch.float32, dev
     return inputs, extras
 
 
-def cpu(args):
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}
-
-
 def no_output_args(extras):
     return {k: v for k, v in extras.items() if k not in ("D", "z")}
-
-
-def assert_close(actual, expected, dtype):
-    err = (actual.double().cpu() - expected).abs().max().item()
-    scale = expected.abs().max().item() + 1e-6
-    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,7 +38,7 @@ def test_tree_selective_scan_matches_loop(backend, kind, T, seed, device):
     inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=seed), seed=seed, device=device)
     y = tree_selective_scan(**inputs, **extras, backend=backend)
     assert y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
-    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+    assert_matches_loop(y, selective_scan_loop, inputs, extras)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -65,7 +54,7 @@ def test_tree_selective_scan_options(backend, options, device):
         extras.update(dt_bias=None, dt_softplus=False)
         inputs["dt"] = inputs["dt"].abs()
     y = tree_selective_scan(**inputs, **extras, backend=backend)
-    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], torch.float32)
+    assert_matches_loop(y, selective_scan_loop, inputs, extras)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -74,7 +63,7 @@ def test_tree_selective_scan_low_precision(backend, dtype, device):
     inputs, extras = make_inputs(random_rows("random", 20, batch=2, seed=7), seed=7, dtype=dtype, device=device)
     y = tree_selective_scan(**inputs, **extras, backend=backend)
     assert y.dtype == dtype
-    assert_close(y, selective_scan_loop(**cpu(inputs), **cpu(extras))[0], dtype)
+    assert_matches_loop(y, selective_scan_loop, inputs, extras, dtype)
 
 
 def test_tree_selective_scan_float64_torch_is_exact():
@@ -102,8 +91,7 @@ def test_tree_selective_scan_rows_match_loop(backend, kind, per_row, device):
     rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
             else torch.tensor([T - 1, 0, 5, 5, 12]))
     y = tree_selective_scan(**inputs, **extras, rows=rows.to(device), backend=backend)
-    y_ref = selective_scan_loop(**cpu(inputs), **cpu(extras))[0]
-    want = torch.stack([y_ref[b, rows[b] if per_row else rows] for b in range(2)])
+    want = pick_rows(selective_scan_loop(**cpu(inputs), **cpu(extras))[0], rows, per_row)
     assert y.shape == want.shape
     assert_close(y, want, torch.float32)
 
@@ -121,9 +109,7 @@ def test_tree_selective_states_matches_loop(backend, kind, seed, device):
                                    **no_output_args(extras), backend=backend)
     assert states.shape == extras["initial_states"].shape and states.dtype == torch.float32
     _, all_states = selective_scan_loop(**cpu(inputs), **cpu(extras))
-    for b in range(3):
-        want = extras["initial_states"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
-        assert_close(states[b], want, torch.float32)
+    assert_states(states, nodes, extras["initial_states"], all_states)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -165,8 +151,7 @@ def test_path_equals_hf_sequence_scan(backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_row_trees_are_independent(backend, device):
     """Row b's outputs depend only on row b's tree: a batch equals its rows run one at a time."""
-    rows = [random_parents(16, torch.Generator().manual_seed(s)) for s in range(3)]
-    inputs, extras = make_inputs(rows, seed=9, device=device)
+    inputs, extras = make_inputs(seeded_trees(16, batch=3), seed=9, device=device)
     y = tree_selective_scan(**inputs, **extras, backend=backend)
     for b in range(3):
         one = {k: v if k == "A" else v[b:b + 1] for k, v in inputs.items()}
@@ -229,10 +214,7 @@ def run_passes(case, passes, capacity, backend, engine_levels, seed=0):
     states = torch.randn(batch, capacity + 1, *case["A"].shape, generator=gen).to(device, case["x"].dtype)
     states[:, capacity] = case["h0"]
     outs = []
-    for start, end in passes:
-        grown = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
-        grown[:, :end] = case["parents"][:, :end]
-        index, rows = TreeIndex(grown), torch.arange(start, end, device=device)
+    for start, end, index, rows in grown_passes(case["parents"], passes, capacity):
         levels = row_levels(index.mask, rows) if engine_levels else None
         outs.append(tree_selective_rows(states, index, rows, *(case[n][:, start:end] for n in ("dt", "B", "x")),
                                         case["A"], levels=levels, backend=backend))
@@ -308,10 +290,7 @@ def _valid(device="cpu"):
     (dict(rows=torch.tensor([3])), "rows must hold node ids"),
 ])
 def test_tree_selective_scan_rejects_bad_input(change, message):
-    args = _valid()
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        tree_selective_scan(**args)
+    assert_rejects(tree_selective_scan, _valid(), change, message)
 
 
 @pytest.mark.parametrize("nodes, message", [(torch.tensor([3]), "out of range"), (torch.tensor([0.0]), "integer"),

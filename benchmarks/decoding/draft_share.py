@@ -165,7 +165,7 @@ def main():
                          ("stree trunk pass", ms["stree root"]), ("stree trunk pass after target", cold_trunk),
                          (f"target {args.nodes}-node pass", verify), ("target 1-node pass", ms["target 1-node pass"])):
         print(f"{label:>30} {value:8.2f} {value / ms['floor level']:8.2f}")
-    print(f"\ndraft share of a round of p levels, p·d / (p·d + target pass):")
+    print("\ndraft share of a round of p levels, p·d / (p·d + target pass):")
     print(f"{'p':>4} {'stree':>8} {'floor':>8}")
     shares = []
     for p in range(1, 7):
