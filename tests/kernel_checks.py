@@ -37,6 +37,21 @@ def pick_rows(ref, rows, per_row):
     return torch.stack([ref[b, rows[b] if per_row else rows] for b in range(ref.shape[0])])
 
 
+def chosen_rows(T, per_row, batch=2):
+    """Nodes to ask for with rows=: (batch, 7) distinct per batch row, or one shared (5,) list with a repeat."""
+    g = torch.Generator().manual_seed(12)
+    if per_row:
+        return torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(batch)])
+    return torch.tensor([T - 1, 0, 5, 5, 12])
+
+
+def chosen_nodes(T, seed, batch=3):
+    """One node per batch row whose state to ask for; row 0 is the empty path (-1) for seed 0, the last node else."""
+    nodes = torch.randint(0, T, (batch,), generator=torch.Generator().manual_seed(seed))
+    nodes[0] = -1 if seed == 0 else T - 1
+    return nodes
+
+
 def cpu(args):
     """The dict with its tensors moved to the CPU (what the naive loops take)."""
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in args.items()}

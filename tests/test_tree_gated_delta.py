@@ -5,8 +5,8 @@ import torch
 
 from kernel_checks import (DeltaOp, assert_close, assert_matches_hf, assert_rejects, assert_rows_independent,
                            assert_states, check_delta_engine, check_delta_engine_empty, check_delta_engine_exact,
-                           check_delta_exact, check_delta_rule, cpu, delta_engine_args, delta_inputs, pick_rows,
-                           seeded_trees, state_args)
+                           check_delta_exact, check_delta_rule, chosen_nodes, chosen_rows, cpu, delta_engine_args,
+                           delta_inputs, pick_rows, seeded_trees, state_args)
 from loops import BACKENDS, KINDS, gated_delta_loop, path_to, random_rows
 from stree.triton_kernels import (TreeIndex, l2norm_rsqrt, tree_gated_delta_commit, tree_gated_delta_rows,
                                   tree_gated_delta_rule, tree_gated_delta_states)
@@ -79,9 +79,7 @@ def test_tree_gated_delta_rows_match_loop(backend, kind, per_row, device):
     """rows= returns only the chosen nodes (any order, repeats allowed), each equal to the naive loop's output."""
     T = 23
     inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=11), seed=11, device=device)
-    g = torch.Generator().manual_seed(12)
-    rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
-            else torch.tensor([T - 1, 0, 5, 5, 12]))
+    rows = chosen_rows(T, per_row)
     o = tree_gated_delta_rule(**inputs, **extras, rows=rows.to(device), backend=backend)
     want = pick_rows(gated_delta_loop(**cpu(inputs), **cpu(extras))[0], rows, per_row)
     assert o.shape == want.shape
@@ -94,9 +92,7 @@ def test_tree_gated_delta_rows_match_loop(backend, kind, per_row, device):
 def test_tree_gated_delta_states_matches_loop(backend, kind, seed, device):
     T = 23
     inputs, extras = make_inputs(random_rows(kind, T, batch=3, seed=seed), seed=seed, device=device)
-    g = torch.Generator().manual_seed(seed)
-    nodes = torch.randint(0, T, (3,), generator=g)
-    nodes[0] = -1 if seed == 0 else T - 1
+    nodes = chosen_nodes(T, seed)
     states = tree_gated_delta_states(**state_args(inputs), nodes=nodes.to(device), **extras, backend=backend)
     assert states.shape == extras["initial_state"].shape and states.dtype == torch.float32
     _, all_states = gated_delta_loop(**cpu(inputs), **cpu(extras))

@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
+from kernel_checks import chosen_nodes, chosen_rows
 from loops import BACKENDS, KINDS, path_to, random_rows, scan_loop
 from stree import random_parents
 from stree.triton_kernels import tree_scan, tree_states
@@ -133,9 +134,7 @@ def test_tree_states_matches_loop(backend, kind, seed, device):
     inputs, extras = make_inputs(rows, seed=seed, device=device)
     extras.pop("D")
     inputs.pop("C")
-    g = torch.Generator().manual_seed(seed)
-    nodes = torch.randint(0, T, (3,), generator=g)
-    nodes[0] = -1 if seed == 0 else T - 1
+    nodes = chosen_nodes(T, seed)
     states = tree_states(**inputs, nodes=nodes.to(device), **extras, backend=backend)
     _, all_states = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
                               C=torch.zeros_like(inputs["B"]).cpu(),
@@ -269,9 +268,7 @@ def test_tree_scan_rows_match_loop(backend, kind, per_row, device):
     T = 23
     parents_rows = random_rows(kind, T, batch=2, seed=11)
     inputs, extras = make_inputs(parents_rows, seed=11, device=device)
-    g = torch.Generator().manual_seed(12)
-    rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
-            else torch.tensor([T - 1, 0, 5, 5, 12]))
+    rows = chosen_rows(T, per_row)
     y = tree_scan(**inputs, **extras, rows=rows.to(device), backend=backend)
     y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
                          **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan, mamba_selective_state_update
 
-from kernel_checks import (assert_close, assert_matches_loop, assert_rejects, assert_states, cpu, grown_passes,
-                           pick_rows, seeded_trees)
+from kernel_checks import (assert_close, assert_matches_loop, assert_rejects, assert_states, chosen_nodes, chosen_rows,
+                           cpu, grown_passes, pick_rows, seeded_trees)
 from loops import BACKENDS, KINDS, path_to, random_rows, selective_scan_loop
 from stree.triton_kernels import TreeIndex, tree_selective_rows, tree_selective_scan, tree_selective_states
 from stree.triton_kernels.tree_selective_scan_torch import row_levels
@@ -87,9 +87,7 @@ def test_tree_selective_scan_rows_match_loop(backend, kind, per_row, device):
     """rows= returns only the chosen nodes (any order, repeats allowed), each equal to the naive loop's output."""
     T = 23
     inputs, extras = make_inputs(random_rows(kind, T, batch=2, seed=11), seed=11, device=device)
-    g = torch.Generator().manual_seed(12)
-    rows = (torch.stack([torch.randperm(T, generator=g)[:7] for _ in range(2)]) if per_row
-            else torch.tensor([T - 1, 0, 5, 5, 12]))
+    rows = chosen_rows(T, per_row)
     y = tree_selective_scan(**inputs, **extras, rows=rows.to(device), backend=backend)
     want = pick_rows(selective_scan_loop(**cpu(inputs), **cpu(extras))[0], rows, per_row)
     assert y.shape == want.shape
@@ -102,9 +100,7 @@ def test_tree_selective_scan_rows_match_loop(backend, kind, per_row, device):
 def test_tree_selective_states_matches_loop(backend, kind, seed, device):
     T = 23
     inputs, extras = make_inputs(random_rows(kind, T, batch=3, seed=seed), seed=seed, device=device)
-    g = torch.Generator().manual_seed(seed)
-    nodes = torch.randint(0, T, (3,), generator=g)
-    nodes[0] = -1 if seed == 0 else T - 1
+    nodes = chosen_nodes(T, seed)
     states = tree_selective_states(**{k: v for k, v in inputs.items() if k != "C"}, nodes=nodes.to(device),
                                    **no_output_args(extras), backend=backend)
     assert states.shape == extras["initial_states"].shape and states.dtype == torch.float32

@@ -34,8 +34,8 @@ import torch
 from .norms import L2NORM_EPS, l2norm_divide, l2norm_rsqrt  # noqa: F401 (L2NORM_EPS: the eps of both forms)
 from .tree_gated_delta_torch import delta_rule_rows, delta_rule_states
 from .tree_kda_torch import kda_rows, kda_states
-from .utils import (as_dtype, check_float, check_nodes, check_pass_rows, check_rows, check_shape, compute_dtype,
-                    gather_rows, resolve_backend, tree_index)
+from .utils import (as_dtype, check_float, check_inputs, check_nodes, check_pass_rows, check_rows, check_shape,
+                    compute_dtype, gather_rows, resolve_backend, tree_index)
 
 l2norm = l2norm_rsqrt  # Gated DeltaNet's form (see norms.py)
 
@@ -49,15 +49,8 @@ def _check_node_inputs(k, v, g, beta, parents, q=None, initial_state=None, scale
     Hv, Dv = v.shape[2:]
     _check_heads(Hk, Hv, per_channel)
     channel = (Dk,) if per_channel else ()
-    for name, t, shape in (("q", q, (batch, T, Hk, Dk)), ("v", v, (batch, T, Hv, Dv)),
-                           ("g", g, (batch, T, Hv, *channel)), ("beta", beta, (batch, T, Hv)),
-                           ("initial_state", initial_state, (batch, Hv, Dk, Dv))):
-        if t is None:
-            continue
-        check_shape(name, t, shape)
-        check_float(name, t)
-        if t.device != k.device:
-            raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
+    check_inputs((("q", q, (batch, T, Hk, Dk)), ("v", v, (batch, T, Hv, Dv)), ("g", g, (batch, T, Hv, *channel)),
+                  ("beta", beta, (batch, T, Hv)), ("initial_state", initial_state, (batch, Hv, Dk, Dv))), k.device, "k")
     if scale is not None and not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a number or None, got {type(scale).__name__}")
     return tree_index(parents, batch, T, k.device)
@@ -72,11 +65,8 @@ def _check_heads(Hk, Hv, per_channel):
 
 def _check_engine_tensors(device, dtype, **tensors):
     """Each name=(tensor, shape): the shape, a float dtype equal to `dtype` (state: any float) and `device`."""
-    for name, (t, shape) in tensors.items():
-        check_shape(name, t, shape)
-        check_float(name, t)
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but keys is on {device}")
+    check_inputs([(name, t, shape) for name, (t, shape) in tensors.items()], device, "keys")
+    for name, (t, _) in tensors.items():
         if name != "state" and t.dtype != dtype:
             raise ValueError(f"{name} is {t.dtype} but keys is {dtype}: the engine form takes every input in the "
                              "buffers' (compute) dtype")

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .tree_selective_scan_torch import row_levels, selective_walk
-from .utils import (as_dtype, check_float, check_nodes, check_pass_rows, check_rows, check_shape, compute_dtype,
-                    gather_rows, resolve_backend, tree_index)
+from .utils import (as_dtype, check_float, check_inputs, check_nodes, check_pass_rows, check_rows, check_shape,
+                    compute_dtype, gather_rows, resolve_backend, tree_index)
 
 
 def _check_inputs(x, dt, A, B, parents, C=None, D=None, z=None, dt_bias=None, initial_states=None):
@@ -39,15 +39,10 @@ def _check_inputs(x, dt, A, B, parents, C=None, D=None, z=None, dt_bias=None, in
     batch, T, dim = x.shape
     check_shape("A", A, (dim, None))
     dstate = A.shape[1]
-    for name, t, shape in (("dt", dt, (batch, T, dim)), ("A", A, (dim, dstate)), ("B", B, (batch, T, dstate)),
-                           ("C", C, (batch, T, dstate)), ("D", D, (dim,)), ("z", z, (batch, T, dim)),
-                           ("dt_bias", dt_bias, (dim,)), ("initial_states", initial_states, (batch, dim, dstate))):
-        if t is None:
-            continue
-        check_shape(name, t, shape)
-        check_float(name, t)
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_inputs((("dt", dt, (batch, T, dim)), ("A", A, (dim, dstate)), ("B", B, (batch, T, dstate)),
+                  ("C", C, (batch, T, dstate)), ("D", D, (dim,)), ("z", z, (batch, T, dim)),
+                  ("dt_bias", dt_bias, (dim,)), ("initial_states", initial_states, (batch, dim, dstate))),
+                 x.device, "x")
     return tree_index(parents, batch, T, x.device)
 
 
@@ -71,12 +66,10 @@ def _check_rows_inputs(states, parents, rows, dt, B, x, A):
     index = tree_index(parents, batch, slots - 1, states.device)
     rows = check_pass_rows(rows, index)
     R = rows.shape[0]
-    for name, t, shape in (("dt", dt, (batch, R, heads, head_dim)), ("B", B, (batch, R, heads, N)),
-                           ("x", x, (batch, R, heads, head_dim)), ("A", A, (heads, head_dim, N))):
-        check_shape(name, t, shape)
-        check_float(name, t)
-        if t.device != states.device:
-            raise ValueError(f"{name} is on {t.device} but states is on {states.device}")
+    specs = (("dt", dt, (batch, R, heads, head_dim)), ("B", B, (batch, R, heads, N)),
+             ("x", x, (batch, R, heads, head_dim)), ("A", A, (heads, head_dim, N)))
+    check_inputs(specs, states.device, "states")
+    for name, t, _ in specs:
         if t.dtype != dt.dtype:
             raise ValueError(f"{name} is {t.dtype} but dt is {dt.dtype}: dt, B, x and A take one compute dtype")
     return index, rows

@@ -55,6 +55,18 @@ def check_float(name, tensor):
         raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
 
 
+def check_inputs(specs, device, anchor):
+    """Each (name, tensor or None, shape) in specs: skip None, else check the shape, a float dtype and `device`
+    (the device of the input named `anchor`)."""
+    for name, tensor, shape in specs:
+        if tensor is None:
+            continue
+        check_shape(name, tensor, shape)
+        check_float(name, tensor)
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but {anchor} is on {device}")
+
+
 def check_parents(parents, batch, T, device):
     """Validate parents (batch, T): integer, on `device`, -1 <= parents[b, i] < i. Returns int64 parents."""
     check_shape("parents", parents, (batch, T))
