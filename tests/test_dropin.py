@@ -130,6 +130,19 @@ def test_unsupported_options_raise(pair, kwargs, error, message):
         target.generate(PROMPT, draft_model=draft, max_new_tokens=5, **kwargs)
 
 
+
+@pytest.mark.parametrize("prompt, kwargs, message", [
+    (torch.tensor([[4, 8, 500]]), {}, "token id 500, outside the model's vocabulary"),
+    (torch.tensor([[-1, 8, 15]]), {}, "token id -1, outside"),
+    (PROMPT, dict(do_sample=True, temperature=float("nan")), "finite"),
+])
+def test_bad_ids_and_temperatures_get_clear_errors(pair, prompt, kwargs, message):
+    """Checked before any forward: HF's embedding would raise an IndexError, sampling a RuntimeError on NaN."""
+    target, draft = pair
+    stree.enable(target)
+    with pytest.raises(ValueError, match=message):
+        target.generate(prompt, draft_model=draft, max_new_tokens=5, **kwargs)
+
 @pytest.mark.parametrize("passed, kwargs", [
     (None, dict(max_new_tokens=7)),
     (dict(max_new_tokens=7), {}),

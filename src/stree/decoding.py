@@ -293,12 +293,18 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"input_ids must have shape (1, prompt_length >= 1), got {tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"stree.generate decodes one sequence at a time (batch 1), got batch {input_ids.shape[0]}")
+    vocab = vocab_size(model)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab} ids "
+                         f"(0..{vocab - 1})")
     for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if draft_model is not None and vocab_size(draft_model) != vocab_size(model):
+    if draft_model is not None and vocab_size(draft_model) != vocab:
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
-                         f"({vocab_size(model)}); they must share a tokenizer")
+                         f"({vocab}); they must share a tokenizer")
     return input_ids.long().to(model.device)
 
 

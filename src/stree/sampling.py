@@ -4,6 +4,7 @@ The target's sampling distribution is HF's: logits -> temperature -> top-k -> to
 HF's logits warpers; min_new_tokens, when set, first bans the EOS ids). The draft's distribution is processed the
 same way; it only affects speed, never the output distribution.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ class Sampler:
     eos_ids: frozenset = frozenset()
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 1):
             raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
