@@ -11,6 +11,7 @@ tests and benchmarks can drive the loop themselves:
     output = generation.output()
 """
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from .adaptive import RoundCosts, calibrate, kept_costs
 from .drafting import DraftedTree, draft_tree, grows_on_device
 from .models import TreeModel
+from .models.claim import Claim
 from .models.compile import compiled_tree_model
 from .sampling import Sampler, sample
 from .shapes import DynamicTree, tree_shapes, tree_spec
@@ -96,13 +98,29 @@ class Generation:
         self.generator, self.stats = generator, GenerationStats()
         self.clock = Clock(self.stats, input_ids.device, sync)
         self.out = Output(input_ids, eos, max_new_tokens, stopping_criteria, streamer)
-        self.costs = self.draft = None
+        self.costs = self.draft = self._claim = None
         if not self.out.done:
-            self._prefill(model, draft_model, input_ids, compile, draft_on_device, costs)
+            try:
+                self._prefill(model, draft_model, input_ids, compile, draft_on_device, costs)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def done(self):
         return self.out.done
+
+    def close(self):
+        """Release the models' TreeModels for other calls (claim.py). Done when the generation ends or raises, on
+        output(), on leaving a `with Generation(...)` block, and when the Generation is garbage-collected."""
+        if self._claim is not None:
+            self._claim.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def _prefill(self, model, draft_model, input_ids, compile, draft_on_device, costs):
         """Both TreeModels prefilled with the prompt, the first token emitted, the cost model of adaptive trees."""
@@ -112,10 +130,13 @@ class Generation:
         target_nodes, draft_nodes, draft_width = tree_shapes(spec, paced=adaptive) if spec else (1, 1, 1)
         max_length = input_ids.shape[1] + self.out.max_new_tokens + draft_nodes
         self.target = tree_model(model, compile, target_nodes, target_nodes, pad_single=not adaptive)
+        if draft_model is not None:
+            self.draft = tree_model(draft_model, compile, draft_nodes, draft_width)
+        self._claim = Claim([self.target, self.draft])  # compiled TreeModels are shared by all calls on a model
+        weakref.finalize(self, self._claim.release)
         with self.clock("prefill_time"):
             root = self._pick(self.target.prefill(input_ids, max_length=max_length)[0])
             if draft_model is not None:
-                self.draft = tree_model(draft_model, compile, draft_nodes, draft_width)
                 self.draft.prefill(input_ids, max_length=max_length)
                 if draft_on_device is None:
                     draft_on_device = grows_on_device(self.draft.device, self.draft.compiled)
@@ -152,6 +173,16 @@ class Generation:
     def round(self):
         """Draft, verify, emit and commit one round (or one plain decoding step: stree's autoregressive loop, and an
         adaptive tree's paced rounds). Returns the Round."""
+        try:
+            result = self._round()
+        except BaseException:
+            self.close()
+            raise
+        if self.done:
+            self.close()
+        return result
+
+    def _round(self):
         start, spent = time.perf_counter(), (self.stats.draft_time, self.stats.verify_time)
         context = (self.hit, self.steps)
         if self.draft is None or (self.steps < self.max_steps and not self.costs.pacing.speculates(context)):
@@ -216,6 +247,7 @@ class Generation:
 
     def output(self, return_stats=False):
         """(1, P + n) token ids (prompt + new tokens), and the GenerationStats when return_stats."""
+        self.close()
         if self.out.streamer is not None:
             self.out.streamer.end()
         self.stats.new_tokens = len(self.out.generated)

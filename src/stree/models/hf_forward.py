@@ -1,9 +1,34 @@
-"""How a tree pass runs through an HF model: forwards swapped in for the pass, the tree's attention mask, the direct
-forward of attention-free models, and the weights' version."""
+"""How a tree pass runs through an HF model: on a private copy of its modules, forwards swapped in for the pass, the
+tree's attention mask, the direct forward of attention-free models, and the weights' version."""
 import contextlib
 import itertools
+import weakref
 
 import torch
+
+
+def private_modules(model):
+    """(copy, {module: its copy}, weakly keyed): model's module tree rebuilt from new module objects that share the originals'
+    parameters and buffers (the very dicts that hold them, so `.to()`, `load_state_dict` and optimizer steps reach
+    both) and their hooks. A TreeModel swaps forwards on its copy only: HF's generate, other threads and other
+    TreeModels running the same model never see a tree pass's forwards. A module used at several places stays one
+    module in the copy. Refuses modules whose forward was replaced on the instance (e.g. accelerate's offloading
+    hooks), which would run the original modules instead of the copy's."""
+    copies, of = {}, weakref.WeakKeyDictionary()
+
+    def copy(module, name):
+        if id(module) in copies:
+            return copies[id(module)]
+        if "forward" in vars(module):
+            raise ValueError(f"module {name or type(module).__name__!r} has a forward set on the instance (a hook such "
+                             "as accelerate's offloading or device-map dispatch); stree's tree passes need the "
+                             "model's modules as their classes define them: load it on one device without offloading")
+        new = copies[id(module)] = of[module] = object.__new__(type(module))
+        new.__dict__.update(vars(module), _compiled_call_impl=None)  # model.compile() compiled the original's call
+        new.__dict__["_modules"] = {key: None if child is None else copy(child, f"{name}.{key}".lstrip("."))
+                                    for key, child in module._modules.items()}
+        return new
+    return copy(model, ""), of
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ on top of the committed sequence, grow that tree by new nodes, and keep one bran
 
 A pass calls the model's own base model (its embeddings, decoder layers, attention modules, MLPs and norms run
 unchanged; attention-free models' embeddings, blocks and final norm are called directly, without the base forward's
-wrappers) with three things swapped in:
+wrappers), through a private copy of its module objects that shares its weights (so that the swaps below are seen by
+no one else using the model meanwhile), with three things swapped in:
   * its recurrent mixers, for the duration of the pass, by tree mixers (one adapter class per mixer kind,
     families.MIXER_KINDS) that compute only the pass's new nodes and read earlier nodes from preallocated buffers;
   * the cache, a StateCache whose attention buffers are preallocated: attention modules write the new nodes'
@@ -19,6 +20,8 @@ of the next pass, in the same (compiled) call, or when `cache` is read.
 This module is the host side; what a pass runs on the device is tree_pass.py (TreePassRunner), growing the tree on
 the device device_growth.py (DeviceGrowth), compiling it compile.py.
 """
+import weakref
+
 import numpy as np
 import torch
 from transformers import DynamicCache
@@ -28,7 +31,7 @@ from .compile import compile_options, own_copy, with_recompile_limit
 from .device_growth import DeviceGrowth
 from .families import ATTENTION_FREE, LOGIT_SCALE, check_model, find_mixers
 from .families import MIXER_KINDS, SSM_FAMILIES, SUPPORTED_MODEL_TYPES, TRANSFORMER_FAMILIES  # noqa: F401 (old home)
-from .hf_forward import swapped, weights_version
+from .hf_forward import private_modules, swapped, weights_version
 from .host_tree import HostTree, to_device
 from .packed import packed_linears
 from .tree_pass import TreePass, TreePassRunner  # noqa: F401 (TreePass: its old import path)
@@ -40,8 +43,10 @@ CAPACITY_STEP = 512
 
 
 class TreeModel(TreePassRunner, DeviceGrowth):
-    """Wraps a loaded HF model (its modules and weights are used as they are, nothing is copied; the TreeModel holds
-    its modules, not the model object).
+    """Wraps a loaded HF model: its weights are used as they are, on a private copy of its module objects
+    (hf_forward.private_modules) on which the tree mixers are swapped in, so that the model itself runs unchanged
+    for anyone else meanwhile (HF's generate, another thread, another TreeModel). One TreeModel is one sequence's
+    state: use one per thread. It holds no strong reference to the model object.
 
     Flow: prefill(prompt) -> tree_forward(tokens, parents) -> [extend(...)] -> commit(nodes) -> tree_forward ...
     `length` counts the committed tokens; `cache` is the StateCache (reading it applies a pending commit).
@@ -52,6 +57,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         every pass is padded to at least this many new nodes, so that with enough slots no shape changes from
         pass to pass (what torch.compile needs)."""
         model_type = check_model(model)
+        self._source = weakref.ref(model)  # the model: its packed linears are kept for it (packed.py)
+        model, self._copy_of = private_modules(model)
         self.config, self.base, self.head = model.config, model.base_model, model.get_output_embeddings()
         self.logit_scale = LOGIT_SCALE.get(model_type)  # scale(logits, config, base)
         self.uses_attention = model_type not in ATTENTION_FREE
@@ -71,6 +78,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self.tree = None       # HostTree of the uncommitted tree
         self._pending = None   # the last commit's device arguments, until a pass (or reading `cache`) applies them
         self._pass = None
+        self._holder = None     # the thread whose generation holds this TreeModel (claim.py)
         self._structure = None  # the tree's structure as the last pass saw it, on the device (extend_on_device's)
         self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
@@ -108,7 +116,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             kwargs["position_ids"] = torch.arange(P, device=input_ids.device).expand(batch, P)
         weights = weights_version(self.base, self.head)  # the mixer adapters hold constants derived from them
         if self.device.type == "cpu":
-            self._linears = packed_linears(self.base, weights, self.head)
+            self._linears = self._packed_linears(weights)
         with swapped(self._linears):
             hidden = self.base(input_ids=input_ids, cache=hf_cache, use_cache=True, **kwargs).last_hidden_state
             logits = self.logits(hidden[:, -1])
@@ -124,6 +132,14 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
         self.tree = None
         return logits
+
+    def _packed_linears(self, weights):
+        """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""
+        source = self._source()
+        if source is None:  # the model object is gone, its weights live on in the copy
+            return packed_linears(self.base, weights, self.head)
+        packed = packed_linears(source.base_model, weights, source.get_output_embeddings())
+        return {self._copy_of[m]: forward for m, forward in packed.items() if m in self._copy_of}
 
     def compile(self, *, pad_single=True, **options):
         """Compile the device part of every pass (with the pending commit's) with torch.compile (inductor; on CUDA
