@@ -4,6 +4,7 @@ import torch
 from loops import plain_vote
 from stree.models import tiny_model
 from stree.search import ALLOCATIONS, SearchConfig, tree_search
+from test_search_speculative import one_thread  # noqa: F401 (autouse fixture: one intra-op thread)
 
 
 def even_share(prompt, steps):
@@ -115,7 +116,8 @@ def test_ets_keeps_or_prunes_the_copies_of_a_node_together(policy_model):
 
 
 def test_bad_config():
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(ValueError, match="strategy must be one of .*'beam', 'best_of_n', 'dvts', 'ets', 'rebase', "
+                                         "'spec_beam'.*'mcts'"):
         SearchConfig(strategy="mcts")
     with pytest.raises(ValueError):
         SearchConfig(width=0)
@@ -185,3 +187,69 @@ def test_ets_with_an_external_embedder(policy_model):
     config = SearchConfig(strategy="ets", width=6, max_steps=2, step_max_tokens=2)
     tree_search(policy_model, [3], even_share, config, embedder=embedder)
     assert len(seen) == 6  # every live trajectory of the one selection round was embedded
+
+
+@pytest.mark.parametrize("field, value", [
+    ("width", 0), ("width", 1.5), ("width", True), ("max_steps", 0), ("max_steps", -2), ("step_max_tokens", 0),
+    ("step_max_tokens", -1), ("beam_width", -1), ("beam_width", 2.0), ("temperature", 0.0), ("temperature", -1.0),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")), ("top_p", 0.0),
+    ("top_p", 1.5), ("rebase_temperature", 0.0), ("rebase_temperature", float("nan")), ("lambda_b", -1.0),
+    ("lambda_b", float("inf")), ("lambda_d", float("nan")), ("cluster_threshold", float("nan")),
+    ("eos_token_ids", (-1,)), ("eos_token_ids", (1.5,)), ("step_delimiter_ids", 4), ("aggregation", "max")])
+def test_bad_config_values_name_the_field_and_the_value(field, value):
+    """Every numeric setting is checked when the config is made (before, NaN or negative values reached the search:
+    a NaN rebase_temperature or cluster_threshold ran silently, step_max_tokens=0 gave one-token steps, a float
+    width failed in range(), an unknown aggregation only after the first level was decoded)."""
+    with pytest.raises(ValueError, match=field) as error:
+        SearchConfig(**{field: value})
+    assert repr(value) in str(error.value) or str(value) in str(error.value)
+
+
+@pytest.fixture
+def no_forward(policy_model, monkeypatch):
+    """The policy, made to fail any forward pass: the checks below must come first."""
+    def forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran before the input was checked")
+    monkeypatch.setattr(policy_model, "forward", forward)
+    return policy_model
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 16], "prompt 0: .*token id 16, outside the model's vocabulary of 16 ids"),
+    ([1, -1], "prompt 0: .*token id -1, outside the model's vocabulary of 16 ids"),
+    (torch.tensor([[3, 200]]), "token id 200, outside the model's vocabulary of 16 ids"),
+    ([], "prompt 0 is empty"), (torch.zeros(1, 0, dtype=torch.long), "prompt 0 is empty"),
+    ([1.5, 2.0], "prompt 0: .*integer"), (torch.tensor([[1, 2], [3, 4]]), r"shape \(2, 2\)")])
+def test_bad_prompts_are_refused_before_any_forward(no_forward, prompt, message):
+    """Before: HF's embedding raised IndexError (ids out of range, negative ids), float ids a RuntimeError, and a
+    (2, P) tensor was silently flattened into one prompt."""
+    config = SearchConfig(strategy="rebase", width=2, max_steps=1)
+    with pytest.raises(ValueError, match=message):
+        tree_search(no_forward, prompt, even_share, config)
+
+
+def test_bad_token_ids_and_vocabularies_are_refused_before_any_forward(no_forward):
+    from stree.search import PRMVerifier, tree_search_batch
+    config = SearchConfig(strategy="beam", width=2, max_steps=1)
+    with pytest.raises(ValueError, match="prompt 1: .*token id 99, outside the model's vocabulary of 16 ids"):
+        tree_search_batch(no_forward, [[1], [2, 99]], even_share, config)
+    for field in ("eos_token_ids", "step_delimiter_ids"):  # before: never matched, so silently ignored
+        with pytest.raises(ValueError, match=f"{field} holds token id 16, outside the model's vocabulary of 16 ids"):
+            tree_search(no_forward, [1], even_share, SearchConfig(width=2, max_steps=1, **{field: (3, 16)}))
+    small = tiny_model("mamba2", vocab_size=8, seed=8)  # before: IndexError in the PRM's embedding, mid-search
+    prm = PRMVerifier(small, step_tag_id=7, good_token_id=5, bad_token_id=6)
+    with pytest.raises(ValueError, match=r"vocabulary \(8 ids\) is smaller than the policy's \(16\)"):
+        tree_search(no_forward, [1], prm, config)
+    with pytest.raises(ValueError, match="the PRM.s input holds token id 9, outside its vocabulary of 8 ids"):
+        prm([1], [[9]])
+    with pytest.raises(ValueError, match="step_tag_id is 8, not a token id of the PRM's vocabulary of 8 ids"):
+        PRMVerifier(small, step_tag_id=8, good_token_id=5, bad_token_id=6)
+
+
+@pytest.mark.parametrize("strategy", ["rebase", "spec_beam"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_verifier_scores_are_refused(policy_model, strategy, bad):
+    """Before: a NaN score was ranked and allocated silently (every comparison with NaN is False)."""
+    config = SearchConfig(strategy=strategy, width=4, beam_width=2, max_steps=2, step_max_tokens=2)
+    with pytest.raises(ValueError, match=f"verifier returned the score {bad}"):
+        tree_search(policy_model, [1, 2], lambda prompt, steps: bad, config)

@@ -326,11 +326,7 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
     if input_ids.shape[0] != 1:
         raise ValueError(f"stree.generate decodes one sequence at a time (batch 1), got batch {input_ids.shape[0]}")
     vocab = vocab_size(model)
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab} ids "
-                         f"(0..{vocab - 1})")
+    check_token_ids("input_ids", input_ids, vocab)
     for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -338,6 +334,18 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
                          f"({vocab}); they must share a tokenizer")
     return input_ids.long().to(model.device)
+
+
+def check_token_ids(name, ids, vocab, owner="the model's"):
+    """Raise ValueError naming `name`, the first id outside 0..vocab-1 and the vocabulary's size, if any of `ids` (a
+    tensor or a sequence of ints) is one."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside {owner} vocabulary of {vocab} ids (0..{vocab - 1})")
 
 
 def vocab_size(model):

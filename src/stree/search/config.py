@@ -1,8 +1,11 @@
 """SearchConfig: one config for every strategy (stree.search.strategies.STRATEGIES names them)."""
 import math
+import numbers
 from dataclasses import dataclass, field
 
+from ..sampling import Sampler
 from .allocation import ETS_WEIGHTS
+from .answers import AGGREGATIONS
 from .batched import check_seed
 from .strategies import STRATEGIES
 from .strategies.spec_beam import BeamOptions
@@ -10,6 +13,9 @@ from .strategies.spec_beam import BeamOptions
 
 @dataclass
 class SearchConfig:
+    """The settings of a search (every field below); a bad value raises ValueError naming it when the config is
+    made. Token ids (step_delimiter_ids, eos_token_ids) are checked against the policy's vocabulary by
+    tree_search / tree_search_batch."""
     strategy: str = "rebase"          # best_of_n | beam | dvts | rebase | ets | spec_beam
     width: int = 16                   # N: continuations per step
     beam_width: int = 0               # beam / DVTS / spec_beam: trajectories (subtrees) kept; 0 = round(sqrt(N))
@@ -36,9 +42,23 @@ class SearchConfig:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
-        if self.width < 1 or self.max_steps < 1 or self.beam_width < 0:
-            raise ValueError(f"width and max_steps must be >= 1 and beam_width >= 0 (0: round(sqrt(width))), got "
-                             f"{self.width}, {self.max_steps} and {self.beam_width}")
+        for name, least in (("width", 1), ("max_steps", 1), ("step_max_tokens", 1), ("beam_width", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}"
+                                 f"{' (0: round(sqrt(width)))' if name == 'beam_width' else ''}, got {value!r}")
+        for name in ("temperature", "rebase_temperature"):  # a search samples its steps: no greedy temperature 0
+            _check_number(name, getattr(self, name), positive=True)
+        Sampler(self.temperature, top_p=self.top_p)  # its ValueError names a top_p outside (0, 1]
+        for name in ("lambda_b", "lambda_d", "cluster_threshold"):
+            _check_number(name, getattr(self, name))
+        for name in ("step_delimiter_ids", "eos_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, (tuple, list, set, frozenset)) or any(
+                    isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids):
+                raise ValueError(f"{name} must be a tuple of token ids (ints >= 0), got {ids!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         check_seed(self.seed)
         if self.ets_weights not in ETS_WEIGHTS or self.ets_costs not in ("nodes", "bytes"):
             raise ValueError(f"ets_weights must be one of {ETS_WEIGHTS} and ets_costs 'nodes' or 'bytes', got "
@@ -59,3 +79,10 @@ class SearchConfig:
     @property
     def kept(self):
         return self.beam_width or max(1, round(math.sqrt(self.width)))
+
+
+def _check_number(name, value, positive=False):
+    """Raise ValueError unless `value` is a finite number, > 0 (positive) or >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
+            value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")

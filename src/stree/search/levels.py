@@ -14,6 +14,7 @@ import torch
 
 from .batched import Candidate, Request, StepDecoder, candidate_generator, shared_batch
 from .tree import Trajectory, TreeMemory, search_result
+from .verifiers import check_score
 
 
 @dataclass
@@ -97,7 +98,7 @@ def _level_search(prompt, verifier, config, root_state, eos, embedder, owner, le
         for (parent_node, tokens), group in _nodes(ended):
             head = group[0][0].parent
             steps = head.steps + [list(tokens)]
-            score = verifier(prompt, steps)  # copies of a node (one step of one parent node) share its score
+            score = check_score(verifier(prompt, steps))  # copies of a node (one step of a parent node) share it
             stats["verifier_calls"] += 1
             done = tokens[-1] in eos
             state = group[0][1]

@@ -8,14 +8,46 @@ from STRATEGIES (stree.search.strategies): a level-synchronous one (stree.search
 """
 import torch
 
+from ..decoding import check_inputs, check_token_ids, vocab_size
 from .policy import Policy
 from .strategies import STRATEGIES
+from .verifiers import PRMVerifier
 
 
 def _policy(model, config):
     return Policy(model, temperature=config.temperature, top_p=config.top_p,
                   step_delimiter_ids=config.step_delimiter_ids, step_max_tokens=config.step_max_tokens,
                   eos_token_ids=config.eos_token_ids)
+
+
+def check_prompt(model, prompt, index=0):
+    """Prompt `index` as a list of ids, after the checks stree.generate makes of its input_ids
+    (stree.decoding.check_inputs): a list of ints or a (P,) / (1, P) integer tensor, at least one token, every id in
+    the model's vocabulary. Raises ValueError naming the prompt and the bad value."""
+    ids = torch.as_tensor(prompt)
+    if ids.numel() == 0:
+        raise ValueError(f"prompt {index} is empty: a prompt needs at least one token")
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise ValueError(f"prompt {index} must be a list of ids or a (P,) / (1, P) tensor, got shape "
+                         f"{tuple(ids.shape)} (several prompts: tree_search_batch)")
+    if not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        ids = ids.long()
+    try:
+        return check_inputs(model, None, ids, 0, 0).flatten().tolist()
+    except ValueError as error:
+        raise ValueError(f"prompt {index}: {error}") from None
+
+
+def check_vocabularies(model, config, verifiers):
+    """Raise ValueError if a token id of the config (a step delimiter or EOS) is outside the model's vocabulary, or a
+    PRMVerifier, which reads the policy's tokens, has a smaller vocabulary than the policy's."""
+    vocab = vocab_size(model)
+    for name in ("step_delimiter_ids", "eos_token_ids"):
+        check_token_ids(name, list(getattr(config, name)), vocab)
+    for verifier in verifiers:
+        if isinstance(verifier, PRMVerifier) and verifier.vocab < vocab:
+            raise ValueError(f"the PRM verifier reads the policy's tokens, but its vocabulary ({verifier.vocab} ids) "
+                             f"is smaller than the policy's ({vocab}); they must share a tokenizer")
 
 
 def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedder=None, seeds=None):
@@ -30,7 +62,7 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
     the result tree_search(model, prompts[i], verifiers[i], config) gets, up to float rounding). Returns a list of
     SearchResults; stats as tree_search's, counted per problem, except peak_held_bytes (the whole batch's) and
     wall_time (the whole call's)."""
-    prompts = [torch.as_tensor(p).flatten().tolist() for p in prompts]
+    prompts = [check_prompt(model, p, i) for i, p in enumerate(prompts)]
     if not prompts:
         raise ValueError("tree_search_batch needs at least one prompt")
     verifiers = list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers] * len(prompts)
@@ -38,6 +70,7 @@ def tree_search_batch(model, prompts, verifiers, config, answer_fn=None, embedde
     if len(verifiers) != len(prompts) or len(seeds) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts need as many verifiers and seeds, got {len(verifiers)} and "
                          f"{len(seeds)}")
+    check_vocabularies(model, config, verifiers)
     answer_fn = answer_fn or (lambda tokens: tuple(tokens[-8:]))
     return STRATEGIES[config.strategy](_policy(model, config), prompts, verifiers, config, seeds, answer_fn,
                                        embedder)
