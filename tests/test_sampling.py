@@ -9,8 +9,8 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 import stree
 from stree.models import tiny_model
-from stree.sampling import Sampler, draw_without_replacement
-from stree.verify import verify_sampling
+from stree.sampling import Sampler, draw_without_replacement, sample
+from stree.verify import children_lists, verify_sampling
 from stats import assert_matches, chi_square, chi_square_critical
 from test_generate import random_pacing, record_trunks
 
@@ -157,11 +157,15 @@ def test_a_wrong_acceptance_rule_is_caught():
 
 
 def exact_model_distribution(model, prompt, n_tokens, sampler):
-    """Exact probability of every continuation of n_tokens under the target's sampling distribution."""
+    """Exact probability of every continuation of n_tokens under the target's sampling distribution (one that ends
+    with one of sampler.eos_ids stops there, shorter)."""
     probs = {(): 1.0}
     for step in range(n_tokens):
         grown = {}
         for seq, prob in probs.items():
+            if seq and seq[-1] in sampler.eos_ids:
+                grown[seq] = prob
+                continue
             ids = torch.cat([prompt, torch.tensor([seq], dtype=torch.long)], dim=1)
             with torch.no_grad():
                 dist = sampler.probs(model(ids).logits[0, -1], step)
@@ -172,26 +176,28 @@ def exact_model_distribution(model, prompt, n_tokens, sampler):
     return probs
 
 
-@pytest.mark.parametrize("family, tree, temperature, top_k, top_p", [
-    ("bamba", (2, 2), 1.0, None, None),
-    ("mamba2", (1, 1, 1), 0.5, 4, 0.9),
-    ("zamba2", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 0.8, None, 0.95),
+@pytest.mark.parametrize("family, sharpness, tree, temperature, top_k, top_p", [
+    ("bamba", 8.0, (2, 2), 1.0, None, None),
+    ("mamba2", 2.0, (1, 1, 1), 0.5, 4, 0.9),
+    ("zamba2", 4.0, stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), 0.8, None, 0.95),
 ])
-def test_generate_samples_the_target_distribution(family, tree, temperature, top_k, top_p):
-    """End to end with HF models: the first 3 tokens of stree.generate follow the target's exact distribution."""
-    vocab = 5
+def test_generate_samples_the_target_distribution(family, sharpness, tree, temperature, top_k, top_p):
+    """End to end with HF models and an independently initialised draft: the first 3 tokens of stree.generate
+    follow the target's exact distribution, one with many likely outcomes."""
+    vocab, samples = 5, 600
     target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
     draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=2)
-    with torch.no_grad():  # sharper next-token distributions than the tiny init gives
-        target.get_output_embeddings().weight.mul_(40.0)
-        draft.get_output_embeddings().weight.mul_(40.0)
+    with torch.no_grad():  # sharper next-token distributions than the tiny init gives (each family its own)
+        target.get_output_embeddings().weight.mul_(sharpness)
+        draft.get_output_embeddings().weight.mul_(sharpness)
     target.generation_config.eos_token_id = None
     prompt = torch.tensor([[1, 3, 0]])
     sampler = Sampler(temperature, top_k, top_p)
     exact = exact_model_distribution(target, prompt, 3, sampler)
+    assert sum(samples * p >= 5 for p in exact.values()) >= 6 and max(exact.values()) < 0.5  # a real test
     g = torch.Generator().manual_seed(0)
     counts = {}
-    for _ in range(600):
+    for _ in range(samples):
         out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=3, temperature=temperature,
                              top_k=top_k, top_p=top_p, tree=tree, generator=g)
         seq = tuple(out[0, 3:].tolist())
@@ -199,18 +205,51 @@ def test_generate_samples_the_target_distribution(family, tree, temperature, top
     assert_matches(counts, exact)
 
 
-def pit_counts(target, prompt, outputs, sampler, bins=10, seed=0):
+@pytest.mark.parametrize("family, tree, min_new_tokens", [("bamba", (2, 2), 2), ("mamba2", (1, 1, 1), 1)])
+def test_eos_and_min_new_tokens_sample_the_target_distribution(family, tree, min_new_tokens):
+    """With an EOS token that is likely, and banned before min_new_tokens: the outputs (up to 4 new tokens, shorter
+    when EOS ends them) follow the target's exact distribution, EOS ban included."""
+    vocab, eos, samples = 5, 2, 600
+    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        for model in (target, draft):
+            model.get_output_embeddings().weight.mul_(3.0)
+            model.get_output_embeddings().weight[eos].add_(0.5 * model.get_output_embeddings().weight.mean(0))
+    prompt = torch.tensor([[1, 3, 0]])
+    sampler = Sampler(1.0, None, None, min_new_tokens, frozenset([eos]))
+    exact = exact_model_distribution(target, prompt, 4, sampler)
+    stopped = sum(p for seq, p in exact.items() if len(seq) < 4)
+    assert 0.15 < stopped and min(len(seq) for seq in exact) == min_new_tokens + 1  # EOS matters, and is banned
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for _ in range(samples):
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=4, min_new_tokens=min_new_tokens,
+                             eos_token_id=eos, temperature=1.0, tree=tree, generator=g)
+        seq = tuple(out[0, 3:].tolist())
+        counts[seq] = counts.get(seq, 0) + 1
+    assert_matches(counts, exact)
+
+
+def pit_counts(target, prompt, outputs, sampler, order_by=None, bins=10, seed=0):
     """Randomised probability integral transform of every generated token under the target's exact conditional
     distribution given the tokens before it: for a correct sampler these are i.i.d. uniform, however long the
-    sequence. Returns (counts per bin, expected probability per bin)."""
+    sequence, whatever order the vocabulary is put in at each position. order_by (a draft model): order it by the
+    draft's probability there, so that a verifier leaning towards or away from the draft's tokens moves the PIT to
+    one end (ordered by token id such a bias scatters over the bins). Returns (counts per bin, expected probability
+    per bin)."""
     g = torch.Generator().manual_seed(seed)
     counts = {b: 0 for b in range(bins)}
     for out in outputs:
         with torch.no_grad():
             logits = target(out[:, :-1]).logits[0]
+            order_logits = None if order_by is None else order_by(out[:, :-1]).logits[0]
         for step, position in enumerate(range(prompt.shape[1] - 1, out.shape[1] - 1)):
             probs = sampler.probs(logits[position], step)
             token = int(out[0, position + 1])
+            if order_logits is not None:
+                order = sampler.probs(order_logits[position], step).argsort(stable=True)
+                probs, token = probs[order], int((order == token).nonzero())
             u = float(probs[:token].sum() + torch.rand((), generator=g, dtype=torch.float64) * probs[token])
             counts[min(int(u * bins), bins - 1)] += 1
     return counts, {b: 1.0 / bins for b in range(bins)}
@@ -219,35 +258,86 @@ def pit_counts(target, prompt, outputs, sampler, bins=10, seed=0):
 def close_pair(family, vocab=8):
     """A tiny target with sharp next-token distributions and a noisy copy of it as the draft: high acceptance, so
     rounds accept whole paths."""
+    return noisy_pair(family, vocab, sharpness=12.0, noise=0.02)
+
+
+def noisy_pair(family, vocab=8, sharpness=4.0, noise=1.0):
+    """A tiny target (its LM head scaled by `sharpness`) and as the draft a copy with seeded noise of scale `noise`
+    on every weight. The defaults disagree often: about 1.5 tokens a target pass, rejections in most rounds."""
     target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
     draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(12.0)
+        target.get_output_embeddings().weight.mul_(sharpness)
         for mine, theirs in zip(draft.parameters(), target.parameters()):
-            mine.copy_(theirs + 0.02 * torch.randn_like(theirs))
+            mine.copy_(theirs + noise * torch.randn(theirs.shape, generator=g, dtype=theirs.dtype))
     target.generation_config.eos_token_id = None
     return target, draft
 
 
+def long_generations(target, draft, tree, temperature=1.0, top_p=None, count=60, length=40):
+    prompt = torch.tensor([[1, 3, 0, 5]])
+    g = torch.Generator().manual_seed(3)
+    return prompt, [stree.generate(target, prompt, draft_model=draft, max_new_tokens=length, temperature=temperature,
+                                   top_p=top_p, tree=tree, generator=g) for _ in range(count)]
+
+
 @pytest.mark.parametrize("family, tree, temperature, top_p", [
     ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, coverage=1.0), 1.0, None),  # default: 0.8
-    ("mamba2", (2, 1, 1), 0.7, 0.9),
+    ("mamba2", (2, 2, 1), 0.7, 0.9),
 ])
 def test_long_generations_follow_the_target_conditionals(family, tree, temperature, top_p, monkeypatch):
     """40-token generations (many rounds; some rounds start with a two-token draft trunk, i.e. an accepted node the
-    draft had not seen): every token's PIT under the target's exact conditional is uniform. The same samples judged
-    against another temperature are rejected, so the test has power."""
-    target, draft = close_pair(family)
+    draft had not seen) with a draft that is often rejected: every token's PIT under the target's exact conditional
+    is uniform. The same samples judged against another temperature are rejected, so the test has power (and
+    test_planted_verification_bugs_are_caught shows it catches wrong verifiers)."""
+    target, draft = noisy_pair(family)
     trunks = record_trunks(monkeypatch)
-    prompt = torch.tensor([[1, 3, 0, 5]])
-    g = torch.Generator().manual_seed(3)
-    outputs = [stree.generate(target, prompt, draft_model=draft, max_new_tokens=40, temperature=temperature,
-                              top_p=top_p, tree=tree, generator=g) for _ in range(60)]
+    prompt, outputs = long_generations(target, draft, tree, temperature, top_p)
     assert max(trunks) == 2 and all(o.shape[1] == prompt.shape[1] + 40 for o in outputs)
-    counts, probs = pit_counts(target, prompt, outputs, Sampler(temperature, None, top_p))
+    counts, probs = pit_counts(target, prompt, outputs, Sampler(temperature, None, top_p), order_by=draft)
     assert_matches(counts, probs)
-    wrong, probs = pit_counts(target, prompt, outputs, Sampler(temperature * 3, None, top_p))
+    wrong, probs = pit_counts(target, prompt, outputs, Sampler(temperature / 2, None, top_p), order_by=draft)
     assert chi_square(wrong, probs)[0] > chi_square_critical(9)
+
+
+def planted_verify_sampling(bug):
+    """verify_sampling with one bug planted: "residual" (p is not replaced by the normalised max(p - q, 0) after a
+    rejection), "bonus" (the bonus is drawn from p, not from the residual), "renormalise" (q is not renormalised
+    after a rejected token is removed from it)."""
+    def verify(tokens, parents, target_probs, draft_probs, generator=None, root=0):
+        children = children_lists(parents)
+        accepted = [root]
+        while True:
+            node = accepted[-1]
+            p = residual = target_probs[node].double().cpu()
+            proposal = None
+            for child in children[node]:
+                if proposal is None:
+                    proposal = draft_probs[node].double().cpu().clone()
+                x = tokens[child]
+                if float(torch.rand((), generator=generator, dtype=torch.float64)) * proposal[x] < residual[x]:
+                    accepted.append(child)
+                    break
+                leftover = (residual - proposal).clamp_(min=0.0)
+                if leftover.sum() > 0 and bug != "residual":
+                    residual = leftover / leftover.sum()
+                proposal[x] = 0.0
+                if bug != "renormalise":
+                    proposal /= proposal.sum().clamp(min=1e-300)
+            else:
+                return accepted, sample(p if bug == "bonus" else residual, generator)
+    return verify
+
+
+@pytest.mark.parametrize("bug", ["residual", "bonus", "renormalise"])
+def test_planted_verification_bugs_are_caught(bug, monkeypatch):
+    """The long-generation PIT test, run with a wrong verification rule, rejects it."""
+    monkeypatch.setattr(stree.decoding, "verify_sampling", planted_verify_sampling(bug))
+    target, draft = noisy_pair("mamba2")
+    prompt, outputs = long_generations(target, draft, (2, 2, 1))
+    counts, probs = pit_counts(target, prompt, outputs, Sampler(1.0), order_by=draft)
+    assert chi_square(counts, probs)[0] > chi_square_critical(9)
 
 
 def test_paced_generations_follow_the_target_conditionals(monkeypatch):
