@@ -187,8 +187,12 @@ def test_drop_in_generate(family):
     stree.enable(target)
     try:
         assert torch.equal(target.generate(prompt, draft_model=draft, max_new_tokens=30), want)
-        sampled = target.generate(prompt, draft_model=draft, do_sample=True, max_new_tokens=10)
-        assert sampled.shape == (1, 16)
+        # Sampled: what stree.generate draws from the same global seed with HF's merged settings (top_k=50)
+        torch.manual_seed(0)
+        sampled = target.generate(prompt, draft_model=draft, do_sample=True, max_new_tokens=10, tree=(2, 2))
+        torch.manual_seed(0)
+        assert torch.equal(sampled, stree.generate(target, prompt, draft_model=draft, max_new_tokens=10,
+                                                   temperature=1.0, top_k=50, tree=(2, 2)))
     finally:
         stree.disable(target)
 

@@ -281,7 +281,9 @@ def test_compile_arguments_give_cuda_graphs_beside_the_guard_filter():
     cuda = _compile_options({"dynamic": None}, cuda=True)
     assert "mode" not in cuda and cuda["options"]["triton.cudagraphs"] is True
     assert cuda["options"]["guard_filter_fn"] is _skip_module_guards_of_own_frames
-    torch.compile(lambda x: x + 1, **cuda)  # accepted (a mode beside the options raised here)
+    torch.compile(lambda x: x + 1, **cuda)  # accepted: construction checks the arguments, as the next line shows
+    with pytest.raises(RuntimeError, match="not_an_option"):
+        torch.compile(lambda x: x + 1, options={"not_an_option": True})
     assert "triton.cudagraphs" not in _compile_options({}, cuda=False)["options"]
     tuned = _compile_options({"mode": "max-autotune-no-cudagraphs", "options": {"cpp_wrapper": True}}, cuda=True)
     assert tuned["options"]["max_autotune"] and tuned["options"]["cpp_wrapper"]
