@@ -575,3 +575,26 @@ def test_an_older_transformers_is_refused_with_the_version_needed():
     code = "import transformers; transformers.__version__ = '5.17.0'; import stree.models"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "stree needs transformers>=5.24, found 5.17.0" in result.stderr
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda tm: tm.prefill(torch.tensor([[1, 64]])), ValueError, r"input_ids holds token id 64, .* vocabulary of 64"),
+    (lambda tm: tm.prefill(torch.tensor([[-1, 2]])), ValueError, r"input_ids holds token id -1"),
+    (lambda tm: tm.prefill(torch.tensor([[1.0, 2.0]])), ValueError, r"integer tensor of shape \(batch"),
+    (lambda tm: tm.prefill(torch.tensor([1, 2])), ValueError, r"integer tensor of shape \(batch"),
+    (lambda tm: tm.tree_forward([[1]], [[-1]]), RuntimeError, r"call prefill\(\) before"),
+    (lambda tm: (tm.prefill(torch.tensor([[1, 2]])), tm.tree_forward([[3, 64]], [[-1, 0]])), ValueError,
+     r"tokens holds token id 64, .* vocabulary of 64"),
+    (lambda tm: (tm.prefill(torch.tensor([[1, 2]])), tm.tree_forward([[3]], [[-1]]), tm.extend([[-5]], [[0]])),
+     ValueError, r"tokens holds token id -5"),
+    (lambda tm: (tm.prefill(torch.tensor([[1, 2]])), tm.tree_forward([[3, 4]], [[-1, 1]])), ValueError,
+     r"parents must be -1 or an earlier node"),
+    (lambda tm: (tm.prefill(torch.tensor([[1, 2]])), tm.tree_forward([[3, 4]], [[-1, 0]]), tm.commit([5])),
+     ValueError, r"nodes must hold 1 node ids"),
+])
+def test_bad_inputs_get_clear_errors(call, error, message):
+    """TreeModel's own entry points check what they are given before any forward: ids outside the vocabulary name
+    the id and the vocabulary's size (HF's embedding would raise an IndexError naming neither)."""
+    tm = TreeModel(tiny_model("bamba"))
+    with pytest.raises(error, match=message):
+        call(tm)

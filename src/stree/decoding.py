@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .adaptive import RoundCosts, calibrate, kept_costs
+from .checks import check_token_ids, vocab_size  # noqa: F401 (vocab_size: imported from here too)
 from .drafting import DraftedTree, draft_tree, grows_on_device
 from .models import TreeModel
 from .models.claim import Claim
@@ -334,23 +335,6 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
                          f"({vocab}); they must share a tokenizer")
     return input_ids.long().to(model.device)
-
-
-def check_token_ids(name, ids, vocab, owner="the model's"):
-    """Raise ValueError naming `name`, the first id outside 0..vocab-1 and the vocabulary's size, if any of `ids` (a
-    tensor or a sequence of ints) is one."""
-    ids = torch.as_tensor(ids)
-    if ids.numel() == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise ValueError(f"{name} holds token id {bad}, outside {owner} vocabulary of {vocab} ids (0..{vocab - 1})")
-
-
-def vocab_size(model):
-    """The vocabulary size of a causal LM (multimodal wrappers keep it in their text config)."""
-    return model.config.get_text_config().vocab_size
 
 
 def eos_ids(eos_token_id):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ..checks import check_token_ids, vocab_size
 from .cache import StateCache
 from .compile import compile_options, own_copy, with_recompile_limit
 from .device_growth import DeviceGrowth
@@ -60,6 +61,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._source = weakref.ref(model)  # the model: its packed linears are kept for it (packed.py)
         model, self._copy_of = private_modules(model)
         self.config, self.base, self.head = model.config, model.base_model, model.get_output_embeddings()
+        self.vocab = vocab_size(model)
         self.logit_scale = LOGIT_SCALE.get(model_type)  # scale(logits, config, base)
         self.uses_attention = model_type not in ATTENTION_FREE
         # Attention-free models' passes call the base model's modules directly (blocks_forward).
@@ -107,9 +109,13 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         max_length: the most tokens the sequence will hold, trees included (attention buffers are sized for it and
         grow by doubling if it is exceeded); default P + 256. Returns the last token's logits (batch, vocab).
         """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
+                                                                                                      torch.int32):
+            raise ValueError("input_ids must be an integer tensor of shape (batch, prompt_length)")
         batch, P = input_ids.shape
         if P < 1:
             raise ValueError("prefill needs at least one token")
+        check_token_ids("input_ids", input_ids, self.vocab)
         hf_cache = DynamicCache(config=self.config)
         kwargs = {}
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
@@ -206,7 +212,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
 
     def _grow(self, tokens, parents, logits_for):
         self._check_settled()
-        tokens, parents, logits_for = _checked_nodes(tokens, parents, logits_for, self._cache.batch)
+        tokens, parents, logits_for = _checked_nodes(tokens, parents, logits_for, self._cache.batch, self.vocab)
         tree = self.tree  # a failed pass that carried a commit forgets it (the state is lost)
         start, _ = tree.add(parents)  # raises ValueError unless topological
         try:
@@ -289,14 +295,15 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._unsettled = 0
 
 
-def _checked_nodes(tokens, parents, logits_for, batch):
+def _checked_nodes(tokens, parents, logits_for, batch, vocab):
     """tokens and parents (batch, R) as int64 numpy arrays and logits_for as a list of ints in [0, R) (or None),
-    after checking their shapes (ValueError)."""
+    after checking their shapes and the token ids (ValueError)."""
     tokens, parents = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x) for x in (tokens, parents))
     if tokens.ndim != 2 or tokens.shape[0] != batch or parents.shape != tokens.shape:
         raise ValueError(f"tokens {tokens.shape} and parents {parents.shape} must both be (batch={batch}, T)")
     if tokens.size and tokens.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    check_token_ids("tokens", tokens, vocab)
     R = tokens.shape[1]
     if logits_for is not None:
         logits_for = [int(i) for i in (logits_for.reshape(-1).tolist() if isinstance(logits_for, torch.Tensor)

@@ -8,7 +8,8 @@ from STRATEGIES (stree.search.strategies): a level-synchronous one (stree.search
 """
 import torch
 
-from ..decoding import check_inputs, check_token_ids, vocab_size
+from ..checks import check_token_ids, vocab_size
+from ..decoding import check_inputs
 from .policy import Policy
 from .strategies import STRATEGIES
 from .verifiers import PRMVerifier

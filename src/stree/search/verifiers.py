@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..decoding import check_token_ids, vocab_size
+from ..checks import check_token_ids, vocab_size
 
 
 def check_score(score):
