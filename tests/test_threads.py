@@ -83,15 +83,16 @@ def test_hf_generate_and_stree_calls_in_threads_are_exact(family):
             for i, p in enumerate(cases):
                 got["hf", r, i] = hf_greedy(target, p, 16)
 
-    def tree(name, compile):
+    def tree(name, compile, shape=TREE):
         def work():
             for r in range(2):
                 for i, p in enumerate(cases):
-                    got[name, r, i] = stree.generate(target, p, draft_model=draft, max_new_tokens=16, tree=TREE,
+                    got[name, r, i] = stree.generate(target, p, draft_model=draft, max_new_tokens=16, tree=shape,
                                                      compile=compile)
         return work
-    run_threads([hf, tree("eager-a", False), tree("eager-b", False), tree("compiled-a", compiled),
-                 tree("compiled-b", compiled)])  # the compiled calls share one TreeModel: they take turns
+    # eager-b: the adaptive default, whose measured costs every call on the model shares
+    run_threads([hf, tree("eager-a", False), tree("eager-b", False, stree.DynamicTree(adaptive=True)),
+                 tree("compiled-a", compiled), tree("compiled-b", compiled)])  # compiled: one TreeModel, in turns
     assert len(got) == 5 * 2 * len(cases)
     for (name, r, i), output in got.items():
         assert torch.equal(output, want[i]), (name, r, i)
