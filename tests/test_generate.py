@@ -332,6 +332,11 @@ def test_bfloat16_tracks_hf_greedy():
     (dict(temperature=1.0, top_k=0), ValueError, "top_k"),
     (dict(min_new_tokens=-2), ValueError, "min_new_tokens"),
     (dict(top_k=5), ValueError, "top_k"),
+    (dict(temperature="1"), ValueError, "temperature must be a finite number"),
+    (dict(temperature=1.0, top_p="0.9"), ValueError, "top_p"),
+    (dict(temperature=1.0, generator=5), TypeError, "generator must be a torch.Generator, got int"),
+    (dict(draft_model="draft"), TypeError, "draft_model must be an HF causal LM"),
+    (dict(costs=3), TypeError, "costs must be a stree.adaptive.RoundCosts"),
 ])
 def test_bad_input(kwargs, error, message):
     target = tiny_model("mamba2")

@@ -93,6 +93,10 @@ class Generation:
                  stopping_criteria=None, compile=False, draft_on_device=None, costs=None, sync=False):
         self.start = time.perf_counter()
         input_ids = check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if costs is not None and not isinstance(costs, RoundCosts):
+            raise TypeError(f"costs must be a stree.adaptive.RoundCosts, got {type(costs).__name__}")
         self.spec = tree_spec(tree) if draft_model is not None else None
         eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
         self.sampler = Sampler(temperature, top_k, top_p, min_new_tokens, eos)
@@ -318,6 +322,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
 
 def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
     """input_ids as a (1, P) int64 tensor on the model's device, after checking every argument that shapes it."""
+    for name, value in (("model", model), ("draft_model", draft_model)):
+        if value is not None and not (isinstance(value, torch.nn.Module) and hasattr(value, "config")):
+            raise TypeError(f"{name} must be an HF causal LM (a PreTrainedModel), got {type(value).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("input_ids must be an integer tensor of shape (1, prompt_length)")
     if input_ids.dim() == 1:
