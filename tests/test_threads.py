@@ -185,3 +185,33 @@ def test_forwards_set_on_instances_are_refused():
     layer.forward = layer.forward
     with pytest.raises(ValueError, match="'model.layers.1' has a forward set on the instance"):
         TreeModel(target)
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "eager"}])
+def test_the_model_changed_between_calls_stays_exact(compile):
+    """What a user does to the model between stree calls reaches stree's private copy of its modules: a call that
+    raised mid-generation, new weights loaded (load_state_dict), the dtype changed (.to): each next call equals
+    HF's greedy search of the model as it now is."""
+    target, draft = pair("bamba")
+    p = prompts([6], seed=4)[0]
+
+    def check():
+        got = stree.generate(target, p, draft_model=draft, max_new_tokens=12, tree=TREE, compile=compile)
+        assert torch.equal(got, hf_greedy(target, p, 12))
+
+    class Raising:
+        def put(self, value):
+            if value.dim() == 1:
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+    with pytest.raises(KeyboardInterrupt):
+        stree.generate(target, p, draft_model=draft, max_new_tokens=12, tree=TREE, compile=compile,
+                       streamer=Raising())
+    check()
+    target.load_state_dict(without_eos(tiny_model("bamba", seed=7)).state_dict())
+    check()
+    target.to(torch.float64)
+    draft.to(torch.float64)
+    check()
