@@ -1,7 +1,30 @@
-"""Checks of token ids shared by every entry point (generate, the drop-in, TreeModel, search, distill): ids outside
-the vocabulary would otherwise reach an embedding and fail there with an IndexError that names neither."""
+"""Argument checks shared by every entry point (generate, the drop-in, TreeModel, search, distill, the CLI), each
+raising ValueError naming the bad value. Token ids outside the vocabulary would otherwise reach an embedding and fail
+there with an IndexError that names neither."""
+import math
+
 import numpy as np
 import torch
+
+
+def check_int(name, value, low):
+    """value must be an int (not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_float(name, value, low, *, strict):
+    """value must be a finite real number > low (strict) or >= low."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value!r}")
+
+
+def check_ids(name, ids, vocab):
+    """ids (an integer tensor) must hold token ids in [0, vocab)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    check_token_ids(name, ids, vocab)
 
 
 def check_token_ids(name, ids, vocab, owner="the model's"):

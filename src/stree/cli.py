@@ -7,7 +7,9 @@
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 import sys
 import time
 
@@ -31,14 +33,119 @@ def _tree(text):
         raise argparse.ArgumentTypeError(str(error))
 
 
+def _number(convert, check, requirement):
+    """An argparse type: convert(text), kept when check(value) holds, else an error naming the value."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+    parse.__name__ = requirement
+    return parse
+
+
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_nonnegative_float = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+_probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def _losses(text):
+    """--loss: name=weight pairs separated by commas, e.g. forward_kl=0.9,cross_entropy=0.1."""
+    from .distill.losses import check_weights
+    losses = {}
+    for part in text.split(","):
+        name, equals, weight = part.partition("=")
+        try:
+            losses[name.strip()] = float(weight)
+        except ValueError:
+            equals = ""
+        if not equals:
+            raise argparse.ArgumentTypeError(f"{part!r} is not name=weight (e.g. forward_kl=0.9,cross_entropy=0.1)")
+    try:
+        check_weights(losses)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
+    return losses
+
+
+def _device(text):
+    """--device: a torch device string (cpu, cuda, cuda:1, ...)."""
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)")
+
+
+# A Hugging Face Hub id: name or namespace/name.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _check_model_path(parser, option, path):
+    """A model or tokenizer option must name a folder here, or a Hub id (namespace/name, whose namespace is not a
+    folder here: runs/draft with a runs/ folder is a missing local folder)."""
+    if path is None or os.path.isdir(path):
+        return
+    if os.path.exists(path) or not _HUB_ID.fullmatch(path) or os.path.isdir(path.split("/")[0]):
+        parser.error(f"{option}: no such folder: {path}")
+
+
+def _student_config(parser, text):
+    """--student-config: a JSON object (literal, or the path of a file holding one), checked by config_from_dict."""
+    from .distill.student import config_from_dict
+    literal = text.lstrip().startswith(("{", "["))
+    if not literal and not os.path.isfile(text):
+        parser.error(f"--student-config: no such file, and not a JSON object: {text!r}")
+    source = "the JSON literal" if literal else text
+    try:
+        if literal:
+            config = json.loads(text)
+        else:
+            with open(text) as f:
+                config = json.load(f)
+    except json.JSONDecodeError as error:
+        parser.error(f"--student-config: {source} is not valid JSON ({error})")
+    if not isinstance(config, dict):
+        parser.error(f"--student-config: {source} must hold a JSON object, got {type(config).__name__}")
+    try:
+        config_from_dict(config)
+    except ValueError as error:
+        parser.error(f"--student-config: {error}")
+    return config
+
+
+def check_args(parser, args):
+    """Errors that argparse's types cannot see (combinations, folders, JSON): parser.error, before any loading."""
+    if args.command in ("generate", "bench"):
+        if (args.target is None) != (args.draft is None):
+            parser.error("give both --target and --draft, or neither (the bundled demo pair)")
+        if args.tokenizer is not None and args.target is None:
+            parser.error("--tokenizer goes with --target and --draft (the bundled demo pair has its own)")
+        for option in ("target", "draft", "tokenizer"):
+            _check_model_path(parser, f"--{option}", getattr(args, option))
+    if args.command == "distill":
+        _check_model_path(parser, "--target", args.target)
+        _check_model_path(parser, "--tokenizer", args.tokenizer)
+        for path in args.data:
+            if not os.path.exists(path):
+                parser.error(f"--data: no such file or folder: {path}")
+        if args.resume is not None and not os.path.isdir(args.resume):
+            parser.error(f"--resume: no such folder: {args.resume}")
+        if args.continuations and args.seq_len < 3:
+            parser.error(f"--continuations needs --seq-len >= 3 (prompts are a third of it), got {args.seq_len}")
+        args.student_config = _student_config(parser, args.student_config)
+
+
 def _load_pair(args, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .demo import demo_pair
     if args.target is None and args.draft is None:
         return demo_pair(dtype=dtype)
-    if args.target is None or args.draft is None:
-        sys.exit("give both --target and --draft, or neither (the bundled demo pair)")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
@@ -51,6 +158,8 @@ def cmd_generate(args):
     from .decoding import generate
     target, draft, tokenizer = _load_pair(args)
     input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    if input_ids.shape[1] == 0:
+        sys.exit(f"stree generate: --prompt {args.prompt!r} is no tokens at all; give some text")
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     _, stats = generate(target, input_ids, draft_model=draft, max_new_tokens=args.max_new_tokens,
@@ -117,19 +226,14 @@ def cmd_distill(args):
 
     from .distill import (TokenChunks, TrainConfig, Trainer, load_tokens, random_windows, student_from_config,
                           target_continuations, text_files, tokenize_files)
-    device = torch.device(args.device)
+    device = args.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun / accelerate: one device per process
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    if args.student_config.lstrip().startswith("{"):
-        student_config = json.loads(args.student_config)
-    else:
-        with open(args.student_config) as f:
-            student_config = json.load(f)
-    student = student_from_config(target, student_config, share_embeddings=args.share_embeddings).to(device)
+    student = student_from_config(target, args.student_config, share_embeddings=args.share_embeddings).to(device)
     token_files = [p for p in args.data if p.endswith((".pt", ".npy"))]
     texts = text_files([p for p in args.data if p not in token_files])
     streams = [load_tokens(p) for p in token_files]
@@ -141,9 +245,8 @@ def cmd_distill(args):
         prompts = random_windows(tokens, args.continuations, args.seq_len // 3, torch.Generator().manual_seed(0))
         datasets.append(target_continuations(target, prompts, args.seq_len + 1 - args.seq_len // 3,
                                              temperature=args.continuation_temperature))
-    losses = {name: float(weight) for name, weight in (part.split("=") for part in args.loss.split(","))}
     config = TrainConfig(output_dir=args.output, steps=args.steps, batch_size=args.batch_size,
-                         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, losses=losses,
+                         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, losses=args.loss,
                          temperature=args.temperature, teacher_top_k=args.teacher_top_k, eval_every=args.eval_every,
                          save_every=args.save_every)
     eval_prompts = random_windows(tokens, 4, 32, torch.Generator().manual_seed(1)) if args.eval_every else None
@@ -170,22 +273,22 @@ def build_parser():
     gen = commands.add_parser("generate", help="speculative tree decoding of one prompt, streamed")
     pair_options(gen)
     gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("--temperature", type=_nonnegative_float, default=0.0)
+    gen.add_argument("--top-k", type=_positive_int, default=None)
+    gen.add_argument("--top-p", type=_probability, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=cmd_generate)
 
     bench = commands.add_parser("bench", help="HF generate vs stree autoregressive vs chain vs tree decoding")
     pair_options(bench)
     bench.add_argument("--chain", type=_tree, default=_tree("chain-4"))
-    bench.add_argument("--prompts", type=int, default=4)
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    bench.add_argument("--prompts", type=_positive_int, default=4)
+    bench.add_argument("--prompt-len", type=_positive_int, default=32)
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--temperatures", type=_nonnegative_float, nargs="+", default=[0.0, 1.0])
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    bench.add_argument("--repeats", type=int, default=3, help="timed runs of every method (ratios: min-max)")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed runs of every method (ratios: min-max)")
     bench.add_argument("--large", action="store_true",
                        help="also the bundled target inflated to 0.9B parameters (same outputs, bandwidth-bound)")
     bench.add_argument("--compile", action="store_true", help="torch.compile every pass (pays a warm-up)")
@@ -199,27 +302,30 @@ def build_parser():
     dist.add_argument("--tokenizer")
     dist.add_argument("--output", required=True)
     dist.add_argument("--share-embeddings", action="store_true")
-    dist.add_argument("--continuations", type=int, default=0, help="add N target continuations of corpus prompts")
-    dist.add_argument("--continuation-temperature", type=float, default=0.7)
-    dist.add_argument("--loss", default="forward_kl=1", help="e.g. forward_kl=0.9,cross_entropy=0.1")
-    dist.add_argument("--temperature", type=float, default=1.0)
-    dist.add_argument("--teacher-top-k", type=int, default=0)
-    dist.add_argument("--steps", type=int, default=1000)
-    dist.add_argument("--batch-size", type=int, default=8)
-    dist.add_argument("--grad-accum", type=int, default=1)
-    dist.add_argument("--seq-len", type=int, default=128)
-    dist.add_argument("--lr", type=float, default=1e-3)
-    dist.add_argument("--warmup", type=int, default=50)
-    dist.add_argument("--eval-every", type=int, default=0)
-    dist.add_argument("--save-every", type=int, default=0)
+    dist.add_argument("--continuations", type=_nonnegative_int, default=0,
+                      help="add N target continuations of corpus prompts")
+    dist.add_argument("--continuation-temperature", type=_nonnegative_float, default=0.7)
+    dist.add_argument("--loss", type=_losses, default="forward_kl=1", help="e.g. forward_kl=0.9,cross_entropy=0.1")
+    dist.add_argument("--temperature", type=_positive_float, default=1.0)
+    dist.add_argument("--teacher-top-k", type=_nonnegative_int, default=0)
+    dist.add_argument("--steps", type=_positive_int, default=1000)
+    dist.add_argument("--batch-size", type=_positive_int, default=8)
+    dist.add_argument("--grad-accum", type=_positive_int, default=1)
+    dist.add_argument("--seq-len", type=_positive_int, default=128)
+    dist.add_argument("--lr", type=_positive_float, default=1e-3)
+    dist.add_argument("--warmup", type=_nonnegative_int, default=50)
+    dist.add_argument("--eval-every", type=_nonnegative_int, default=0)
+    dist.add_argument("--save-every", type=_nonnegative_int, default=0)
     dist.add_argument("--resume", help="checkpoint folder to continue from")
-    dist.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    dist.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
     dist.set_defaults(run=cmd_distill)
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     args.run(args)
 
 

@@ -10,6 +10,8 @@ import sysconfig
 import torch
 from torch.utils.data import Dataset
 
+from ..checks import check_float, check_ids, check_int, vocab_size
+
 
 def python_stdlib_files():
     """The Python standard library's own .py sources (tests and site-packages excluded), sorted."""
@@ -28,6 +30,10 @@ def stdlib_split(every=20):
 
 def random_windows(tokens, count, length, generator=None):
     """(count, length) int64: windows of a 1-D token stream at random offsets."""
+    check_int("count", count, 1)
+    check_int("length", length, 1)
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
     if tokens.numel() < length:
         raise ValueError(f"a stream of {tokens.numel()} tokens has no window of {length}")
     starts = torch.randint(0, tokens.numel() - length + 1, (count,), generator=generator)
@@ -71,6 +77,9 @@ class TokenChunks(Dataset):
     """Non-overlapping windows of a token stream: input_ids = stream[s:s+L], labels = stream[s+1:s+L+1]."""
 
     def __init__(self, tokens, length):
+        check_int("length", length, 1)
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         if tokens.dim() != 1 or tokens.numel() < length + 1:
             raise ValueError(f"need a 1-D stream of at least {length + 1} tokens, got shape {tuple(tokens.shape)}")
         self.tokens, self.length = tokens, length
@@ -87,10 +96,17 @@ class Continuations(Dataset):
     """Prompts followed by the target's own continuation; only the continuation's predictions count.
 
     sequences: list of 1-D tensors (prompt + continuation), all of the same length; prompt_length: tokens of
-    prompt at the start of each.
+    prompt at the start of each (at least 1, fewer than the sequences' length).
     """
 
     def __init__(self, sequences, prompt_length):
+        lengths = sorted({seq.numel() for seq in sequences})
+        if len(lengths) > 1:
+            raise ValueError(f"sequences must all have the same length, got lengths {lengths}")
+        check_int("prompt_length", prompt_length, 1)
+        if lengths and prompt_length >= lengths[0]:
+            raise ValueError(f"prompt_length {prompt_length} leaves no continuation in sequences of {lengths[0]} "
+                             f"tokens")
         self.sequences, self.prompt_length = sequences, prompt_length
 
     def __len__(self):
@@ -106,6 +122,17 @@ class Continuations(Dataset):
 def target_continuations(target, prompts, max_new_tokens, temperature=1.0, top_p=None, batch_size=16):
     """What the draft will have to predict: the target continues each prompt (sampled at `temperature`, greedy
     at 0). prompts: (n, P) int64. Returns a Continuations dataset of n sequences of P + max_new_tokens tokens."""
+    if not isinstance(prompts, torch.Tensor) or prompts.dim() != 2 or 0 in prompts.shape:
+        raise ValueError(f"prompts must be a non-empty (n, P) tensor of token ids, got "
+                         f"{tuple(prompts.shape) if isinstance(prompts, torch.Tensor) else type(prompts).__name__}")
+    check_ids("prompts", prompts, vocab_size(target))
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("batch_size", batch_size, 1)
+    check_float("temperature", temperature, 0.0, strict=False)
+    if top_p is not None:
+        check_float("top_p", top_p, 0.0, strict=True)
+        if top_p > 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     target.eval()
     sequences = []
     for start in range(0, prompts.shape[0], batch_size):

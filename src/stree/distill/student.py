@@ -4,6 +4,7 @@ All students share the target's vocabulary. Embeddings / LM head can be copied f
 sizes agree.
 """
 import copy
+import inspect
 
 import torch
 import transformers
@@ -35,14 +36,46 @@ def copy_embeddings(student, target):
             dst.weight.copy_(src.weight)
 
 
+# Older spellings that HF configs still accept through **kwargs.
+_LEGACY_CONFIG_KEYS = {"torch_dtype", "rope_scaling", "use_cache", "tie_word_embeddings", "pad_token_id",
+                       "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "num_labels",
+                       "tokenizer_class"}
+
+
+def config_from_dict(config):
+    """An HF config from a dict with a "model_type" and that config class's own keys. ValueError on a missing or
+    unknown model_type, and on keys the config class does not know (HF would keep a misspelt key silently)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"a student config must be a dict or an HF config, got {type(config).__name__}")
+    config = dict(config)
+    if "model_type" not in config:
+        raise ValueError(f"a student config dict needs a \"model_type\" (e.g. \"mamba2\"), got keys {sorted(config)}")
+    model_type = config.pop("model_type")
+    mapping = transformers.models.auto.configuration_auto.CONFIG_MAPPING
+    if model_type not in mapping:
+        raise ValueError(f"unknown model_type {model_type!r}: not a transformers model type")
+    cls = mapping[model_type]
+    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
+    known |= set(inspect.signature(transformers.PretrainedConfig.__init__).parameters) | _LEGACY_CONFIG_KEYS
+    try:
+        known |= set(cls().to_dict())
+    except (TypeError, ValueError):  # a config class that needs arguments: its signature's keys only
+        pass
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} for model_type {model_type!r}; {cls.__name__} takes "
+                         f"{sorted(known - {'self', 'kwargs', 'args'})}")
+    return cls(**config)
+
+
 def student_from_config(target, config, *, share_embeddings=False):
-    """A fresh causal LM from `config` (an HF config, or a dict with "model_type"), with the target's vocabulary.
+    """A fresh causal LM from `config` (an HF config, or a dict with "model_type": see config_from_dict), with the
+    target's vocabulary.
 
     share_embeddings copies the target's embeddings and LM head (hidden sizes must agree).
     """
-    if isinstance(config, dict):
-        config = dict(config)
-        config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = config_from_dict(config)
     config.vocab_size = target.config.vocab_size
     for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
         setattr(config, name, getattr(target.config, name, None))

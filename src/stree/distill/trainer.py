@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .losses import TopK, mixture_loss
+from ..checks import check_float, check_ids, check_int, vocab_size
+from .losses import TopK, check_weights, mixture_loss
 
 
 @dataclass
@@ -42,6 +43,20 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
 
+    def __post_init__(self):
+        """ValueError naming the first bad field."""
+        for name, low in (("steps", 1), ("batch_size", 1), ("grad_accum", 1), ("warmup", 0), ("teacher_top_k", 0),
+                          ("eval_every", 0), ("eval_new_tokens", 1), ("save_every", 0), ("log_every", 0)):
+            check_int(name, getattr(self, name), low)
+        for name, strict in (("lr", True), ("temperature", True), ("min_lr_ratio", False), ("weight_decay", False),
+                             ("grad_clip", False)):
+            check_float(name, getattr(self, name), 0.0, strict=strict)
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        check_weights(self.losses)
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+
 
 def _distributed():
     if dist.is_available() and dist.is_initialized():
@@ -60,12 +75,27 @@ def lr_factor(step, warmup, total, min_ratio):
 class Trainer:
     """Distils `teacher` (the target, frozen) into `student` on `dataset` (dicts of input_ids, labels, mask).
 
-    teacher may be None when the losses are cross-entropy only (plain language-model training, e.g. of a target).
-    eval_prompts: (n, P) int64 held-out prompts for the acceptance evaluation (needs a teacher).
+    teacher may be None when the losses are cross-entropy only (plain language-model training, e.g. of a target);
+    otherwise it must share the student's vocabulary. eval_prompts: (n, P) int64 held-out prompts for the acceptance
+    evaluation (needs a teacher). Token ids outside the student's vocabulary, in eval_prompts or in a batch of the
+    dataset, raise ValueError (a batch's when it is drawn).
     """
 
     def __init__(self, student, config, dataset, teacher=None, eval_prompts=None):
         self.config, self.teacher, self.eval_prompts = config, teacher, eval_prompts
+        self.vocab = vocab_size(student)
+        needs_teacher = sorted(name for name in config.losses if name != "cross_entropy")
+        if teacher is None and needs_teacher:
+            raise ValueError(f"losses {needs_teacher} need a teacher (only cross_entropy trains without one)")
+        if teacher is not None and vocab_size(teacher) != self.vocab:
+            raise ValueError(f"the student's vocabulary ({self.vocab}) differs from the teacher's "
+                             f"({vocab_size(teacher)}); they must share a tokenizer")
+        if config.eval_every and (teacher is None or eval_prompts is None):
+            raise ValueError(f"eval_every={config.eval_every} needs a teacher and eval_prompts")
+        if eval_prompts is not None:
+            if not isinstance(eval_prompts, torch.Tensor) or eval_prompts.dim() != 2 or 0 in eval_prompts.shape:
+                raise ValueError("eval_prompts must be a non-empty (n, P) tensor of token ids")
+            check_ids("eval_prompts", eval_prompts, self.vocab)
         if teacher is not None:
             teacher.eval().requires_grad_(False)
         self.rank, self.world = _distributed()
@@ -104,6 +134,7 @@ class Trainer:
             epoch, skip = epoch + 1, 0
 
     def _loss(self, batch):
+        check_ids("a batch of the dataset", batch["input_ids"], self.vocab)
         teacher = None
         if self.teacher is not None and any(name != "cross_entropy" for name in self.config.losses):
             with torch.no_grad():
