@@ -101,6 +101,8 @@ class Soak:
             entry["seconds"] += time.perf_counter() - start
             if n % every == 0:
                 memory.append((n, peak_rss_mb()))
+                differ = sum(t["differ"] for t in self.tally.values())
+                print(f"{n} calls, {differ} differ, peak RSS {memory[-1][1]:.0f} MB", flush=True)
         stree.disable(self.target)
         return memory
 
