@@ -14,6 +14,24 @@ FAMILIES = ["bamba", "mamba2", "qwen3_next"]  # attention + Mamba2, attention-fr
 TREE = (2, 2, 1)  # a fixed shape: compiled calls compile once
 
 
+class Stop(Exception):
+    pass
+
+
+class RaisingStreamer:
+    """A streamer that raises `error` at the first round's tokens (after the prompt)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def put(self, value):
+        if value.dim() == 1:
+            raise self.error
+
+    def end(self):
+        pass
+
+
 def pair(family):
     target = without_eos(tiny_model(family))
     return target, noisy_copy(target, scale=0.01, seed=1)
@@ -159,20 +177,9 @@ def test_generation_releases_its_models_when_done_or_raising(monkeypatch):
     want = generation.output()
     assert torch.equal(stree.generate(target, p, draft_model=draft, max_new_tokens=8, tree=TREE, compile=compiled),
                        want)
-
-    class Stop(Exception):
-        pass
-
-    class Raising:
-        def put(self, value):
-            if value.dim() == 1:  # after the prompt: in the first round
-                raise Stop
-
-        def end(self):
-            pass
     with pytest.raises(Stop):
         stree.generate(target, p, draft_model=draft, max_new_tokens=8, tree=TREE, compile=compiled,
-                       streamer=Raising())
+                       streamer=RaisingStreamer(Stop))
     assert torch.equal(stree.generate(target, p, draft_model=draft, max_new_tokens=8, tree=TREE, compile=compiled),
                        want)
 
@@ -198,17 +205,9 @@ def test_the_model_changed_between_calls_stays_exact(compile):
     def check():
         got = stree.generate(target, p, draft_model=draft, max_new_tokens=12, tree=TREE, compile=compile)
         assert torch.equal(got, hf_greedy(target, p, 12))
-
-    class Raising:
-        def put(self, value):
-            if value.dim() == 1:
-                raise KeyboardInterrupt
-
-        def end(self):
-            pass
     with pytest.raises(KeyboardInterrupt):
         stree.generate(target, p, draft_model=draft, max_new_tokens=12, tree=TREE, compile=compile,
-                       streamer=Raising())
+                       streamer=RaisingStreamer(KeyboardInterrupt))
     check()
     target.load_state_dict(without_eos(tiny_model("bamba", seed=7)).state_dict())
     check()
