@@ -2,21 +2,26 @@
 raising ValueError naming the bad value. Token ids outside the vocabulary would otherwise reach an embedding and fail
 there with an IndexError that names neither."""
 import math
+import numbers
 
 import numpy as np
 import torch
 
 
+def is_number(value):
+    """Whether value is a real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_int(name, value, low):
-    """value must be an int (not a bool) >= low."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """value must be an int (numpy's included; not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def check_float(name, value, low, *, strict):
     """value must be a finite real number > low (strict) or >= low."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
+    if not (is_number(value) and math.isfinite(value)) or value < low or (strict and value == low):
         raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value!r}")
 
 

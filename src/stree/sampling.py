@@ -5,14 +5,11 @@ HF's logits warpers; min_new_tokens, when set, first bans the EOS ids). The draf
 same way; it only affects speed, never the output distribution.
 """
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's floats too
+from .checks import is_number
 
 
 @dataclass(frozen=True)
@@ -25,12 +22,12 @@ class Sampler:
     eos_ids: frozenset = frozenset()
 
     def __post_init__(self):
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 1):
             raise ValueError(f"top_k must be a positive int, got {self.top_k!r}")
-        if self.top_p is not None and not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and not (is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.greedy and (self.top_k is not None or self.top_p is not None):
             raise ValueError("top_k and top_p only apply to sampling (temperature > 0)")

@@ -3,6 +3,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ..checks import check_float, check_int
 from ..sampling import Sampler
 from .allocation import ETS_WEIGHTS
 from .answers import AGGREGATIONS
@@ -43,15 +44,12 @@ class SearchConfig:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         for name, least in (("width", 1), ("max_steps", 1), ("step_max_tokens", 1), ("beam_width", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}"
-                                 f"{' (0: round(sqrt(width)))' if name == 'beam_width' else ''}, got {value!r}")
+            check_int(name, getattr(self, name), least)  # beam_width 0: round(sqrt(width))
         for name in ("temperature", "rebase_temperature"):  # a search samples its steps: no greedy temperature 0
-            _check_number(name, getattr(self, name), positive=True)
+            check_float(name, getattr(self, name), 0.0, strict=True)
         Sampler(self.temperature, top_p=self.top_p)  # its ValueError names a top_p outside (0, 1]
         for name in ("lambda_b", "lambda_d", "cluster_threshold"):
-            _check_number(name, getattr(self, name))
+            check_float(name, getattr(self, name), 0.0, strict=False)
         for name in ("step_delimiter_ids", "eos_token_ids"):
             ids = getattr(self, name)
             if not isinstance(ids, (tuple, list, set, frozenset)) or any(
@@ -80,9 +78,3 @@ class SearchConfig:
     def kept(self):
         return self.beam_width or max(1, round(math.sqrt(self.width)))
 
-
-def _check_number(name, value, positive=False):
-    """Raise ValueError unless `value` is a finite number, > 0 (positive) or >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
