@@ -19,7 +19,9 @@ import torch
 from .adaptive import RoundCosts, calibrate, kept_costs
 from .checks import check_token_ids, vocab_size  # noqa: F401 (vocab_size: imported from here too)
 from .drafting import DraftedTree, draft_tree, grows_on_device
+from .heads.head import DraftHead
 from .models import TreeModel
+from .models.head_model import HeadTreeModel
 from .models.claim import Claim
 from .models.compile import compiled_tree_model
 from .sampling import Sampler, sample
@@ -104,6 +106,9 @@ class Generation:
         self.clock = Clock(self.stats, input_ids.device, sync)
         self.out = Output(input_ids, eos, max_new_tokens, stopping_criteria, streamer)
         self.costs = self.draft = self._claim = None
+        self.head = isinstance(draft_model, DraftHead)
+        self.features = None  # a head's: the target's features of the trunk's tokens (1, len(trunk), hidden)
+        self._verified = None  # a head's: the target's hidden states over the last verified tree (1, T, hidden)
         if not self.out.done:
             try:
                 self._prefill(model, draft_model, input_ids, compile, draft_on_device, costs)
@@ -134,14 +139,19 @@ class Generation:
         adaptive = getattr(spec, "adaptive", False) and (self.sampler.greedy or self.generator is None)
         target_nodes, draft_nodes, draft_width = tree_shapes(spec, paced=adaptive) if spec else (1, 1, 1)
         max_length = input_ids.shape[1] + self.out.max_new_tokens + draft_nodes
-        self.target = tree_model(model, compile, target_nodes, target_nodes, pad_single=not adaptive)
+        self.target = tree_model(model, compile, target_nodes, target_nodes, pad_single=not adaptive,
+                                 returns_hidden=self.head)
         if draft_model is not None:
             self.draft = tree_model(draft_model, compile, draft_nodes, draft_width)
         self._claim = Claim([self.target, self.draft])  # compiled TreeModels are shared by all calls on a model
         weakref.finalize(self, self._claim.release)
         with self.clock("prefill_time"):
-            root = self._pick(self.target.prefill(input_ids, max_length=max_length)[0])
-            if draft_model is not None:
+            logits, hidden = self._split(self.target.prefill(input_ids, max_length=max_length))
+            root = self._pick(logits[0])
+            if self.head:  # the head's entry for token t + 1 is fed the target's feature at t
+                self.draft.prefill(input_ids[:, 1:], max_length=max_length, features=hidden[:, :-1])
+                self.features = hidden[:, -1:]
+            elif draft_model is not None:
                 self.draft.prefill(input_ids, max_length=max_length)
                 if draft_on_device is None:
                     draft_on_device = grows_on_device(self.draft.device, self.draft.compiled)
@@ -169,6 +179,10 @@ class Generation:
                 calibrate(costs, self.target, self.draft, target_nodes, self.spec.frontier, self.trunk[-1])
         return costs
 
+    def _split(self, out):
+        """(logits, hidden states or None) of a target pass (its hidden states: a head's features)."""
+        return out if self.head else (out, None)
+
     def _pick(self, logits):
         """The next token from the target's logits (vocab,) after the tokens emitted so far."""
         self.stats.transfers += 1
@@ -194,7 +208,7 @@ class Generation:
             return self._plain_step(context, start)
         with self.clock("draft_time"):
             drafted = draft_tree(self.draft, self.trunk, self.spec, self.sampler, len(self.out.generated),
-                                 self.generator, self.costs, self.on_device)
+                                 self.generator, self.costs, self.on_device, self.features)
         self.stats.draft_passes += drafted.passes
         self.stats.transfers += drafted.transfers
         result = self._verify(drafted)
@@ -202,7 +216,11 @@ class Generation:
             return result
         with self.clock("commit_time"):
             self.target.commit([result.accepted[-1]])
-            node, self.trunk = drafted.draft_commit(result.accepted, result.bonus)
+            if self.head:  # the head catches up on the accepted tokens with the target's features
+                node, self.trunk = drafted.head_commit(result.accepted, result.bonus)
+                self.features = self._verified.index_select(1, torch.tensor(result.accepted, device=self.target.device))
+            else:
+                node, self.trunk = drafted.draft_commit(result.accepted, result.bonus)
             self.draft.commit([node])
         if self.costs is not None:
             seconds = (self.stats.draft_time - spent[0], self.stats.verify_time - spent[1], time.perf_counter() - start)
@@ -217,7 +235,8 @@ class Generation:
         tokens, parents = drafted.target_tokens, drafted.target_parents
         generated, greedy = len(self.out.generated), None
         with self.clock("verify_time"):
-            logits = self.target.tree_forward([tokens], [parents])[0]
+            logits, self._verified = self._split(self.target.tree_forward([tokens], [parents]))
+            logits = logits[0]
             scores = self.sampler.scores(logits, [generated + d for d in drafted.target_depth])  # a tensor if needed
             if self.sampler.greedy:
                 greedy = scores.argmax(-1).tolist()
@@ -238,7 +257,8 @@ class Generation:
         not hold yet; that one is committed."""
         root = self.out.generated[-1]
         with self.clock("verify_time"):
-            token = self._pick(self.target.tree_forward([[root]], [[-1]])[0, 0])
+            logits, hidden = self._split(self.target.tree_forward([[root]], [[-1]]))
+            token = self._pick(logits[0, 0])
         with self.clock("commit_time"):
             self.target.commit([0])
         self.stats.target_passes += 1
@@ -246,6 +266,8 @@ class Generation:
         self.stats.tokens_per_pass.append(1)
         if self.draft is not None:
             self.trunk.append(token)
+            if self.head:
+                self.features = torch.cat([self.features, hidden], 1)
             self.steps += 1
             self.costs.pacing.note_step(context, time.perf_counter() - start)
         return Round([root], [-1], [0], token, self.out.emit([token]))
@@ -353,14 +375,18 @@ def eos_ids(eos_token_id):
     return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
 
 
-def tree_model(model, compile, nodes, pass_width, pad_single=True):
+def tree_model(model, compile, nodes, pass_width, pad_single=True, returns_hidden=False):
     """A TreeModel of `model`: a new eager one, or with compile (True or torch.compile options) the compiled one
     kept for the model and these shapes and options (so compilation is paid once per model and tree shape). On
     CUDA every pass is padded to `pass_width` nodes (one CUDA graph per shape: extra rows cost a GPU almost
     nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension (pad_single: see
     TreeModel.compile; adaptive trees' targets run one-node passes unpadded, warmed up by the calibration)."""
+    if isinstance(model, DraftHead):
+        if compile:
+            raise NotImplementedError("compiled passes do not run draft heads yet: pass compile=False")
+        return HeadTreeModel(model, nodes=nodes)
     if not compile:
-        return TreeModel(model, nodes=nodes)
+        return TreeModel(model, nodes=nodes, returns_hidden=returns_hidden)
     options = {} if compile is True else dict(compile)
     width = pass_width if model.device.type == "cuda" else None
-    return compiled_tree_model(model, nodes, width, pad_single, options)
+    return compiled_tree_model(model, nodes, width, pad_single, options, returns_hidden)

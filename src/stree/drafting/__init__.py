@@ -21,16 +21,17 @@ def grows_on_device(device, compiled):
     return torch.device(device).type == "cuda" and compiled
 
 
-def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None):
+def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=None, on_device=None, features=None):
     """Draft a tree below trunk[-1] (the speculation's root) with a prefilled stree.models.TreeModel.
 
     trunk: tokens not yet in the draft's cache, fed as a chain, the root last. generated: new tokens emitted
     before the token that follows the root (for min_new_tokens). The draft's last pass is left uncommitted, so
     draft.commit() may take any node whose pass_index is not -1. costs: a RoundCosts for adaptive trees.
     on_device: grow a greedy StaticTree / DynamicTree on the device (the same tree); None = grows_on_device.
-    Returns a DraftedTree.
+    features: a draft head's (models.head_model.HeadTreeModel): the target's features of the trunk's tokens
+    (1, len(trunk), hidden). Returns a DraftedTree.
     """
-    growth = Growth(draft, trunk, sampler, generated, generator, costs)
+    growth = Growth(draft, trunk, sampler, generated, generator, costs, features)
     if on_device is None:
         on_device = grows_on_device(draft.device, draft.compiled)
     if on_device and sampler.greedy and not isinstance(spec, BeamTree):

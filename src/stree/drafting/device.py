@@ -41,7 +41,8 @@ def grow_on_device(growth, spec):
     # first[level]: the draft's id of the first node expanded at that level (level 0: the root)
     first = [root] + list(itertools.accumulate([e for e, _ in plan[1:]], initial=trunk))
     growth.fed = {n: n for n in range(trunk)}
-    logits = draft.tree_forward([growth.tokens], [growth.parents], logits_for=[root], slots=first[-1])
+    logits = draft.tree_forward([growth.tokens], [growth.parents], logits_for=[root], slots=first[-1],
+                                features=growth.features)
     growth.passes = 1
     # new tokens before the root's children where the scores read them (min_new_tokens), as a tensor that each
     # level adds one to (an int would be a constant of a compiled level); else a constant 0

@@ -50,6 +50,13 @@ class DraftedTree:
         """{target node: draft distribution its children were drawn from} (sampled trees)."""
         return {node - self.root: q for node, q in self.probs.items() if node >= self.root}
 
+    def head_commit(self, accepted, bonus):
+        """draft_commit for a draft head: the node to commit is the root (the last node fed the target's own
+        feature; the head's entries for the accepted nodes below it were fed its own), and the next trunk holds every
+        accepted token below the root, then the bonus (the head catches up on them with the target's features)."""
+        root = self.root
+        return self.pass_index[root], [self.tokens[n + root] for n in accepted[1:]] + [bonus]
+
     def draft_commit(self, accepted, bonus):
         """(the draft node to commit, the next round's trunk) after the target accepted `accepted` (target node ids,
         root first) and drew `bonus`: the deepest accepted node the draft's last pass holds, and the accepted tokens
@@ -64,8 +71,9 @@ class Growth:
     """The tree being drafted: the trunk as a chain, then nodes appended level by level. costs: the RoundCosts an
     adaptive tree decides with (None: a fixed tree)."""
 
-    def __init__(self, draft, trunk, sampler, generated, generator, costs=None):
+    def __init__(self, draft, trunk, sampler, generated, generator, costs=None, features=None):
         self.draft, self.sampler, self.generator, self.costs = draft, sampler, generator, costs
+        self.features = features  # a head's trunk features (the first pass's), else None
         self.generated = generated  # new tokens emitted before the root's successor is predicted
         self.tokens = list(trunk)
         self.parents = list(range(-1, len(trunk) - 1))
@@ -94,12 +102,12 @@ class Growth:
                 new.add(node)
                 node = self.parents[node]
         new = sorted(new)  # topological: a parent's id is below its children's
-        run = self.draft.extend if self.fed else self.draft.tree_forward
+        run, features = (self.draft.extend, None) if self.fed else (self.draft.tree_forward, self.features)
         for node in new:
             self.fed[node] = len(self.fed)
         position = {node: j for j, node in enumerate(new)}
         logits = run([[self.tokens[n] for n in new]], [[self.fed.get(self.parents[n], -1) for n in new]],
-                     logits_for=[position[n] for n in nodes])[0]                          # (K, vocab)
+                     logits_for=[position[n] for n in nodes], features=features)[0]       # (K, vocab)
         self.passes += 1
         generated = [self.generated + self.depth[n] for n in nodes]  # a tensor only if min_new_tokens needs one
         picked, values, valid = self._choose(self.sampler.scores(logits, generated), nodes, k, coverage)

@@ -85,12 +85,14 @@ def mark_static(buffers):
             torch._dynamo.mark_static_address(t)
 
 
-def compiled_tree_model(model, nodes, pass_width, pad_single, options):
+def compiled_tree_model(model, nodes, pass_width, pad_single, options, returns_hidden=False):
     """The compiled TreeModel kept for `model` and these shapes and torch.compile options (made on first use)."""
     from .tree_model import TreeModel
     kept = _COMPILED.setdefault(model, {})
     # The mode is in the key: a pass traces it as a constant (module attributes are not guarded in the pass's frame).
-    key = (nodes, pass_width, pad_single, repr(sorted(options.items())), model.training)  # repr: values may be dicts
+    key = (nodes, pass_width, pad_single, repr(sorted(options.items())), model.training,  # repr: values may be dicts
+           returns_hidden)
     if key not in kept:
-        kept[key] = TreeModel(model, nodes=nodes, pass_width=pass_width).compile(pad_single=pad_single, **options)
+        kept[key] = TreeModel(model, nodes=nodes, pass_width=pass_width, returns_hidden=returns_hidden).compile(
+            pad_single=pad_single, **options)
     return kept[key]

@@ -76,15 +76,15 @@ def check_model(model):
     return model_type
 
 
-def find_mixers(model, model_type):
+def find_mixers(model, model_type, required=True):
     """({layer_idx: mixer module}, {layer_idx: its kind}) of the model's recurrent mixers, each checked by its
-    kind."""
+    kind. required: a model of an SSM family must have some (a draft head of one need not)."""
     mixers, kinds = {}, {}
     for module in model.modules():
         kind = next((k for k in MIXER_KINDS if k.matches(module)), None)
         if kind is not None:
             mixers[module.layer_idx], kinds[module.layer_idx] = module, kind
-    if model_type in SSM_FAMILIES and not mixers:
+    if required and model_type in SSM_FAMILIES and not mixers:
         raise ValueError(f"found no supported mixer in this {model_type} model")
     for i, mixer in mixers.items():
         getattr(kinds[i], "check", lambda module: None)(mixer)

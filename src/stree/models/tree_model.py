@@ -52,11 +52,14 @@ class TreeModel(TreePassRunner, DeviceGrowth):
     Flow: prefill(prompt) -> tree_forward(tokens, parents) -> [extend(...)] -> commit(nodes) -> tree_forward ...
     `length` counts the committed tokens; `cache` is the StateCache (reading it applies a pending commit).
     """
+    IS_HEAD = False  # a draft head's (HeadTreeModel): its passes take features
 
-    def __init__(self, model, *, nodes=16, pass_width=None):
+    def __init__(self, model, *, nodes=16, pass_width=None, returns_hidden=False):
         """nodes: node slots the tree buffers start with (they grow when a tree needs more); pass_width: when set,
         every pass is padded to at least this many new nodes, so that with enough slots no shape changes from
-        pass to pass (what torch.compile needs)."""
+        pass to pass (what torch.compile needs). returns_hidden: prefill(), tree_forward() and extend() also
+        return the last hidden states (after the final norm) of every position they ran: the features a draft
+        head (stree.heads) drafts from."""
         model_type = check_model(model)
         self._source = weakref.ref(model)  # the model: its packed linears are kept for it (packed.py)
         model, self._copy_of = private_modules(model)
@@ -67,12 +70,13 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         # Attention-free models' passes call the base model's modules directly (blocks_forward).
         self._direct = not self.uses_attention and all(hasattr(self.base, name)
                                                        for name in ("embeddings", "layers", "norm_f"))
-        self.mixers, self.kinds = find_mixers(model, model_type)  # layer_idx -> mixer module / its kind
+        # layer_idx -> mixer module / its kind
+        self.mixers, self.kinds = find_mixers(model, model_type, required=not self.IS_HEAD)
         self._sequential = any(getattr(kind, "SEQUENTIAL", False) for kind in self.kinds.values())  # needs levels
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._tree_forwards = {self.mixers[i]: self._tree_forward_of(i) for i in self.mixers}
         self._linears = {}     # nn.Linear -> its forward on a packed weight (CPU; see packed.py), set by prefill
-        self.nodes, self.pass_width = nodes, pass_width
+        self.nodes, self.pass_width, self.returns_hidden = nodes, pass_width, returns_hidden
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = self._static_buffers = False  # static buffers: CUDA graphs replay over fixed addresses
         self._cache = None
@@ -103,11 +107,12 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         return self.head.weight.device
 
     @torch.no_grad()
-    def prefill(self, input_ids, *, max_length=None):
+    def prefill(self, input_ids, *, max_length=None, features=None):
         """Start a new state holding input_ids (batch, P), P >= 1, with HF's own forward (its chunked scan).
 
         max_length: the most tokens the sequence will hold, trees included (attention buffers are sized for it and
-        grow by doubling if it is exceeded); default P + 256. Returns the last token's logits (batch, vocab).
+        grow by doubling if it is exceeded); default P + 256. features: only for draft heads (HeadTreeModel).
+        Returns the last token's logits (batch, vocab), and with returns_hidden the hidden states (batch, P, hidden).
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
                                                                                                       torch.int32):
@@ -124,7 +129,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if self.device.type == "cpu":
             self._linears = self._packed_linears(weights)
         with swapped(self._linears):
-            hidden = self.base(input_ids=input_ids, cache=hf_cache, use_cache=True, **kwargs).last_hidden_state
+            hidden = self._hidden(input_ids, hf_cache, kwargs, features)
             logits = self.logits(hidden[:, -1])
         capacity = max(max_length or 0, P + DEFAULT_RESERVE)
         if self.pass_width is not None or self._compiled:  # compiled: round the buffers up so that
@@ -137,7 +142,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             self._cache, self._weights = cache, weights
             self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
         self.tree = None
-        return logits
+        return (logits, hidden) if self.returns_hidden else logits
 
     def _packed_linears(self, weights):
         """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""
@@ -173,7 +178,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         return self._compiled
 
     @torch.no_grad()
-    def tree_forward(self, tokens, parents, *, logits_for=None, slots=None):
+    def tree_forward(self, tokens, parents, *, logits_for=None, slots=None, features=None):
         """Logits (batch, T, vocab) of every node of a tree on top of the committed sequence, in one pass.
 
         tokens (batch, T) ints (tensor or nested lists); parents (batch, T) ints, parents[b, i] < i, -1 = child of
@@ -182,6 +187,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         (batch, K, vocab). The state stays the committed one until commit() (or discard()); extend() or
         extend_on_device() may grow the tree first. slots: the most nodes the tree will hold (its buffers are sized
         for them and for padded passes up to them: a tree grown on the device cannot grow its buffers).
+        features: only for draft heads (HeadTreeModel). With returns_hidden, returns (logits, the new nodes' last
+        hidden states (batch, T, hidden)).
         """
         if self._cache is None:
             raise RuntimeError("call prefill() before tree_forward()")
@@ -192,38 +199,47 @@ class TreeModel(TreePassRunner, DeviceGrowth):
                              capacity=max(self.nodes, slots + padding if slots else 0))
         self._unsettled = 0
         try:
-            return self._grow(tokens, parents, logits_for)
+            return self._grow(tokens, parents, logits_for, features)
         finally:
             if self.tree is not None and self.tree.n == 0:
                 self.tree = None
 
     @torch.no_grad()
-    def extend(self, tokens, parents, *, logits_for=None):
+    def extend(self, tokens, parents, *, logits_for=None, features=None):
         """Grow the uncommitted tree by new nodes and return their logits (batch, T_new or K, vocab).
 
         tokens (batch, T_new); parents (batch, T_new) index the whole tree: the T_old nodes already passed, then
         these (new node j has id T_old + j, so parents[b, j] < T_old + j; -1 = child of the committed sequence).
         Only the new nodes go through the layers; their logits equal those of one tree_forward() over the grown
-        tree. logits_for: optional (K,) positions in `tokens` whose logits to compute.
+        tree. logits_for: optional (K,) positions in `tokens` whose logits to compute. features, and what it
+        returns with returns_hidden: as tree_forward's.
         """
         if self.tree is None:
             raise RuntimeError("no tree to extend: call tree_forward() first")
-        return self._grow(tokens, parents, logits_for)
+        return self._grow(tokens, parents, logits_for, features)
 
-    def _grow(self, tokens, parents, logits_for):
+    def _grow(self, tokens, parents, logits_for, features=None):
         self._check_settled()
         tokens, parents, logits_for = _checked_nodes(tokens, parents, logits_for, self._cache.batch, self.vocab)
         tree = self.tree  # a failed pass that carried a commit forgets it (the state is lost)
         start, _ = tree.add(parents)  # raises ValueError unless topological
         try:
             head_rows = list(range(tokens.shape[1])) if logits_for is None else logits_for
-            logits = self._pass_over(start, tokens, head_rows)
+            out = self._pass_over(start, tokens, head_rows, self._checked_features(features, tokens.shape))
         except BaseException:  # the buffers' new slots are simply reused by the next pass
             tree.truncate(start)
             raise
-        return logits[:, :len(head_rows)]
+        if self.returns_hidden:
+            return out[0][:, :len(head_rows)], out[1][:, :tokens.shape[1]]
+        return out[:, :len(head_rows)]
 
-    def _pass_over(self, start, tokens, head_rows):
+    def _checked_features(self, features, shape):
+        """A plain model's passes take no features (HeadTreeModel's do)."""
+        if features is not None:
+            raise ValueError("features are a draft head's input; this TreeModel runs a plain causal LM")
+        return None
+
+    def _pass_over(self, start, tokens, head_rows, features=None):
         """The pass over the tree's nodes from `start` on (tokens (batch, R)), its buffers made large enough first."""
         tree, cache = self.tree, self._cache
         width, head_rows = self._shape(tokens.shape[1], head_rows)
@@ -235,6 +251,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             self._apply_pending()  # buffers are about to grow: the commit, shaped for the old ones, goes first
         for layers, _ in self._layers.values():
             layers.reserve(tree.capacity)
+        self._reserve(tree.capacity)
         cache.reserve(cache.length + tree.capacity)
         if self._static_buffers:
             self._mark_static()
@@ -242,13 +259,16 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         levels = self._level_positions(tree.levels(start, width)) if self._sequential else ()
         pending, self._pending = self._pending, None
         try:
-            logits = self._call(flat, layout, levels, pending)
+            out = self._call(flat, layout, levels, pending, None, features)
         except BaseException:
             if pending is not None:  # whether the commit was applied is unknown: the state is lost
                 self._cache = self.tree = None
             raise
         self._structure = flat[flat.numel() - tree.structure_size:]
-        return logits
+        return out
+
+    def _reserve(self, slots):
+        """Buffers over the tree's node slots besides the mixers' and the cache's (HeadTreeModel's features)."""
 
     def _shape(self, R, head_rows):
         """(width, head rows) of a pass over R new nodes whose LM head runs on `head_rows` (a list): at least

@@ -48,19 +48,20 @@ class TreePassRunner:
             self._cache.end_pass()
             self._pass = None
 
-    def _run(self, flat, layout, levels, pending, grown=None):
+    def _run(self, flat, layout, levels, pending, grown=None, features=None):
         """The device part of a pass (no host sync, shapes fixed by the slots and pass width) over HostTree.pass_inputs'
         (flat, layout) and the levels of _level_positions, after the pending commit's (the arguments of _commit, or
-        None). Returns logits (batch, K = the pass's head rows, vocab); with `grown` (extend_on_device), what
-        device_growth.run_levels returns."""
+        None). Returns logits (batch, K = the pass's head rows, vocab) (with returns_hidden, and the rows' last hidden
+        states (batch, width, hidden)); with `grown` (extend_on_device), what device_growth.run_levels returns.
+        features: a draft head's (HeadTreeModel)."""
         if pending is not None:
             self._commit(*pending)
         if grown is None:
-            return self._forward(flat, layout, levels)
+            return self._forward(flat, layout, levels, features)
         return run_levels(self._forward, flat, layout, levels, grown)
 
-    def _forward(self, flat, layout, levels):
-        """The model's forward over a pass's tensor: logits (batch, K, vocab)."""
+    def _forward(self, flat, layout, levels, features=None):
+        """The model's forward over a pass's tensor: logits (batch, K, vocab) (see _run)."""
         inputs = HostTree.unpack(flat, layout)
         cache, rows, tokens = self._cache, inputs["rows"], inputs["tokens"]
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
@@ -70,11 +71,16 @@ class TreePassRunner:
                                                            cache.capacity, self.head.weight.dtype)
             cache.begin_pass(inputs["length"] + rows)
         self._pass = TreePass(index, rows, levels)
-        if self._direct:
-            hidden = blocks_forward(self.base, tokens)
-        else:
-            hidden = self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
-        return self.logits(hidden.index_select(1, inputs["head_rows"]))
+        hidden = self._hidden(tokens, cache, kwargs, features, inputs)
+        logits = self.logits(hidden.index_select(1, inputs["head_rows"]))
+        return (logits, hidden) if self.returns_hidden else logits
+
+    def _hidden(self, tokens, cache, kwargs, features=None, inputs=None):
+        """The base model's last hidden states (batch, R, hidden) over tokens (batch, R) with `cache` (HF's in a
+        prefill, the StateCache in a pass; kwargs: positions and mask). HeadTreeModel feeds its fused inputs here."""
+        if self._direct and inputs is not None:
+            return blocks_forward(self.base, tokens)
+        return self.base(input_ids=tokens, cache=cache, use_cache=True, **kwargs).last_hidden_state
 
     def _mark_static(self):
         """Tell torch.compile that every state and tree buffer keeps its address (so that CUDA graphs may write them

@@ -1,0 +1,122 @@
+"""DraftHead: a draft that reads the target's hidden state (an MTP head shipped with the model, or an EAGLE-style head
+trained by stree.distill) instead of being a model of its own.
+
+For the entry of token x_{t+1}, with f_t the target's last hidden state (after its final norm) at t:
+
+    input  = fc(cat([norm_embedding(embed(x_{t+1})), norm_hidden(f_t)]))     (embedding first)
+    hidden = the head's decoder layers over the inputs so far, then its final norm
+    logits = the target's LM head on hidden                                  (a distribution for x_{t+2})
+
+When the target has not verified x_{t+1} yet (deeper draft levels), f_t is the head's own output hidden state at the
+entry before. The embedding and LM head are the target's own modules (shared, never copied); the decoder layers are an
+HF model of their own (`inner`, built from the target family's classes where it has them, so published weights load
+as they are), with whatever embedding it was built with replaced by the target's.
+"""
+import copy
+
+import torch
+from torch import nn
+
+
+class HeadFusion(nn.Module):
+    """fc(cat([norm_embedding(embeds), norm_hidden(features)], -1)): (..., H) and (..., H) -> (..., H)."""
+
+    def __init__(self, norm_embedding, norm_hidden, fc):
+        super().__init__()
+        self.norm_embedding, self.norm_hidden, self.fc = norm_embedding, norm_hidden, fc
+
+    def forward(self, embeds, features):
+        return self.fc(torch.cat([self.norm_embedding(embeds), self.norm_hidden(features)], dim=-1))
+
+
+class DraftHead(nn.Module):
+    """A feature-conditioned draft head (module docstring). inner: an HF causal LM whose layers and final norm are the
+    head's; fusion: a HeadFusion; target: the model it drafts for (its embedding and LM head are set on `inner`).
+    kind: where it comes from ("eagle" for heads stree trains, "<family>_mtp" for published ones)."""
+
+    def __init__(self, inner, fusion, target, kind="eagle"):
+        super().__init__()
+        self.inner, self.fusion, self.kind = inner, fusion, kind
+        share_embeddings(inner, target)
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    @property
+    def device(self):
+        return self.fusion.fc.weight.device
+
+    @property
+    def dtype(self):
+        return self.fusion.fc.weight.dtype
+
+    def own_parameters(self):
+        """The head's parameters without the target's embedding and LM head (what training updates)."""
+        shared = {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
+                  for p in m.parameters()}
+        return [p for p in self.parameters() if id(p) not in shared]
+
+    def own_state_dict(self):
+        """state_dict() without the target's embedding and LM head (what a checkpoint holds)."""
+        shared = {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
+                  for p in m.parameters()}
+        return {k: v for k, v in self.state_dict(keep_vars=True).items() if id(v) not in shared}
+
+    def forward(self, input_ids, features, **kwargs):
+        """The head run sequentially: input_ids (batch, n) with features (batch, n, H), entry j fed token
+        input_ids[:, j] and feature features[:, j] (kwargs go to the inner base model: cache, positions, mask).
+        Returns (logits (batch, n, vocab), hidden (batch, n, H): the output hidden states, which the next level
+        is fed)."""
+        embeds = self.fusion(self.inner.get_input_embeddings()(input_ids), features.to(self.dtype))
+        hidden = self.inner.base_model(inputs_embeds=embeds, **kwargs).last_hidden_state
+        return self.inner.get_output_embeddings()(hidden), hidden
+
+    @classmethod
+    def from_pretrained(cls, path, *, target):
+        """The head in folder `path` for `target` (a loaded HF causal LM): a head trained by stree.distill (its
+        folder holds stree_head.json), or the MTP head a Qwen3-Next, Qwen3.5 or Nemotron-H checkpoint folder ships
+        (its `mtp.*` weights, which HF's loader skips). ValueError when the folder holds neither."""
+        from .published import load_head
+        return load_head(path, target)
+
+    def save_pretrained(self, path):
+        """Write the head (not the target's shared embedding and LM head) to folder `path`, for from_pretrained."""
+        from .published import save_head
+        save_head(self, path)
+
+
+def share_embeddings(inner, target):
+    """Make `inner` use the target's input embedding and LM head modules (the very objects)."""
+    inner.set_input_embeddings(target.get_input_embeddings())
+    inner.set_output_embeddings(target.get_output_embeddings())
+    inner.config.tie_word_embeddings = False
+
+
+def final_norm(base):
+    """A base model's final norm module (HF names it `norm` or `norm_f`)."""
+    for name in ("norm", "norm_f", "final_layernorm"):
+        if isinstance(getattr(base, name, None), nn.Module):
+            return getattr(base, name)
+    raise ValueError(f"{type(base).__name__} has no final norm named norm / norm_f / final_layernorm")
+
+
+def new_fusion(inner):
+    """An untrained HeadFusion for `inner`: both norms of its final norm's class (fresh copies), fc (H, 2H) with
+    HF's initialisation."""
+    norm = final_norm(inner.base_model)
+    hidden = inner.config.hidden_size
+    fusion = HeadFusion(copy.deepcopy(norm), copy.deepcopy(norm), nn.Linear(2 * hidden, hidden, bias=False))
+    for module in (fusion.norm_embedding, fusion.norm_hidden):
+        for p in module.parameters():  # back to the class's initial value (ones, or zeros for 1 + weight norms)
+            p.data.copy_(type(module)(hidden).weight.data if _rebuildable(module) else torch.ones_like(p))
+    nn.init.normal_(fusion.fc.weight, std=getattr(inner.config, "initializer_range", 0.02))
+    return fusion.to(dtype=norm.weight.dtype, device=norm.weight.device)
+
+
+def _rebuildable(norm):
+    try:
+        type(norm)(norm.weight.shape[0])
+        return True
+    except TypeError:
+        return False
