@@ -8,18 +8,20 @@ from .tree import TokenTree, TokenTreeBatch, random_parents, static_parents
 
 if TYPE_CHECKING:  # the names _LAZY loads on first use, spelled out for type checkers and the API docs
     from .decoding import GenerationStats, generate
-    from .demo import demo_pair
+    from .demo import demo_head, demo_pair
+    from .heads import DraftHead
     from .draft import BeamTree, DynamicTree, StaticTree
     from .dropin import disable, enable
     from .models import TreeModel
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
-           "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable", "demo_pair"]
+           "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable", "demo_pair", "demo_head",
+           "DraftHead"]
 
 _LAZY = {"generate": ".decoding", "GenerationStats": ".stats", "TreeModel": ".models", "StaticTree": ".shapes",
          "DynamicTree": ".shapes", "BeamTree": ".shapes", "enable": ".dropin", "disable": ".dropin",
-         "demo_pair": ".demo"}
+         "demo_pair": ".demo", "demo_head": ".demo", "DraftHead": ".heads"}
 
 
 def __getattr__(name):

@@ -41,7 +41,8 @@ def identical_prefix(a, b, start):
 def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, repeats=3, compile=False, seed=0,
             profile=0):
     """Decode every prompt with HF's generate, stree's autoregressive loop and each tree in `trees` ({name: spec,
-    or a dict of stree.generate's keyword arguments with the spec as `tree`}), `repeats` times. Returns one row
+    or a dict of stree.generate's keyword arguments with the spec as `tree`, and a draft other than `draft` as
+    `draft_model`, e.g. a DraftHead}), `repeats` times. Returns one row
     per method:
 
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
@@ -63,7 +64,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
     def run(name):
         spec, outs = methods[name], []
         more = dict(spec) if isinstance(spec, dict) else {}
-        spec = more.pop("tree", spec)
+        spec, method_draft = more.pop("tree", spec), more.pop("draft_model", draft)
         torch.manual_seed(seed)
         _sync(device)
         start = time.perf_counter()
@@ -72,7 +73,7 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
                 outs.append((hf_generate(target, prompt, max_new_tokens, temperature), None))
             else:
                 kwargs = dict(tree=spec, **more) if spec != "ar" else {}
-                outs.append(generate(target, prompt, draft_model=None if spec == "ar" else draft,
+                outs.append(generate(target, prompt, draft_model=None if spec == "ar" else method_draft,
                                      max_new_tokens=max_new_tokens, temperature=temperature,
                                      return_stats=True, compile=compile, **kwargs))
         _sync(device)

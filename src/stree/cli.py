@@ -152,6 +152,20 @@ def _load_pair(args, dtype=torch.float32):
     return target, draft, tokenizer
 
 
+def _load_head(args, target, default=None):
+    """The DraftHead --head names for `target` (`default` when it names none; None for 'none')."""
+    from .demo import demo_head
+    from .heads import DraftHead
+    name = args.head or default
+    if name in (None, "none"):
+        return None
+    if name == "demo":
+        if args.target is not None:
+            sys.exit("stree: --head demo is the bundled target's head; with --target give the head's folder")
+        return demo_head(target)
+    return DraftHead.from_pretrained(name, target=target)
+
+
 def cmd_generate(args):
     from transformers import TextStreamer
 
@@ -162,7 +176,8 @@ def cmd_generate(args):
         sys.exit(f"stree generate: --prompt {args.prompt!r} is no tokens at all; give some text")
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    _, stats = generate(target, input_ids, draft_model=draft, max_new_tokens=args.max_new_tokens,
+    head = _load_head(args, target)
+    _, stats = generate(target, input_ids, draft_model=head or draft, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tree=args.tree,
                         streamer=TextStreamer(tokenizer), generator=generator, return_stats=True)
     elapsed = time.perf_counter() - start
@@ -184,6 +199,7 @@ def cmd_bench(args):
 
     from .benchmark import compare, format_rows
     from .demo import held_out_prompts
+    from .heads.inflate import inflate_head
     from .models import inflate_bamba
     from .shapes import DynamicTree, tree_name
     dtype = getattr(torch, args.dtype)
@@ -194,23 +210,30 @@ def cmd_bench(args):
         fixed = dataclasses.replace(args.tree, adaptive=False)
         trees[tree_name(fixed)] = fixed
     trees[tree_name(args.tree)] = args.tree
-    targets = [("target", target)]
+    head = _load_head(args, target, default="demo" if args.target is None else None)
+    targets = [("target", target, head)]
     if args.large:  # a realistic-size target computing the same function: bound by reading weights
-        targets.append(("target inflated to 0.9B", inflate_bamba(target, hidden_size=2048, mamba_heads=64,
-                                                                 d_state=128, intermediate_size=8192, num_layers=12)))
+        sizes = dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192)
+        large = inflate_bamba(target, **sizes, num_layers=12)
+        targets.append(("target inflated to 0.9B", large, head and inflate_head(head, large, **sizes)))
     device = (f"cpu ({_cpu_name() or platform.processor() or platform.machine()}, torch capability "
               f"{torch.backends.cpu.get_cpu_capability()}), torch threads {torch.get_num_threads()}")
     print(f"device {device}, {args.dtype}, {args.prompts} held-out prompts x {args.max_new_tokens} new "
           f"tokens, {args.repeats} repeats{', compiled' if args.compile else ''}")
     report = []
-    for label, model in targets:
+    for label, model, model_head in targets:
         model.generation_config.eos_token_id = None  # equal lengths for every method
         params = sum(p.numel() for p in model.parameters()) / 1e6
         new_tokens = args.max_new_tokens if model is target else max(8, args.max_new_tokens // 4)
         for temperature in args.temperatures:
-            print(f"\n{label} ({params:.1f}M params), draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, "
+            head_params = "" if model_head is None else \
+                f", head {sum(p.numel() for p in model_head.own_parameters()) / 1e6:.1f}M (+ the target's LM head)"
+            print(f"\n{label} ({params:.1f}M params), draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M"
+                  f"{head_params}, "
                   f"temperature {temperature}, {new_tokens} new tokens")
-            rows = compare(model, draft, prompts, trees, max_new_tokens=new_tokens, temperature=temperature,
+            with_head = {**trees, **({f"head {tree_name(args.tree)}": dict(tree=args.tree, draft_model=model_head)}
+                                     if model_head is not None else {})}
+            rows = compare(model, draft, prompts, with_head, max_new_tokens=new_tokens, temperature=temperature,
                            repeats=args.repeats, compile=args.compile)
             print(format_rows(rows))
             report.append(dict(target=label, params_m=params, temperature=temperature, dtype=args.dtype,
@@ -266,6 +289,9 @@ def build_parser():
         p.add_argument("--target", help="HF checkpoint folder (default: the bundled demo pair)")
         p.add_argument("--draft", help="HF checkpoint folder of the draft")
         p.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
+        p.add_argument("--head", help="a draft head's folder (DraftHead.from_pretrained: a head stree trained, or the "
+                       "target's checkpoint folder holding a published MTP head); 'demo': the bundled target's head; "
+                       "bench: 'none' leaves heads out (default there: the bundled head with the bundled pair)")
         p.add_argument("--tree", type=_tree, default=_tree("adaptive"),
                        help="adaptive (default: sized every round by measured costs) | adaptive-24 | dynamic-16 | "
                        "3,2,2,1 | chain-4 | beam-4x4")

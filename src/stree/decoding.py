@@ -292,7 +292,8 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     Args:
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
         input_ids: (1, P) or (P,) prompt token ids, P >= 1.
-        draft_model: any supported causal LM with the target's vocabulary; None = stree's own autoregressive
+        draft_model: any supported causal LM with the target's vocabulary, or a stree.DraftHead made for this target
+            (it drafts from the target's hidden states: docs/heads.md); None = stree's own autoregressive
             decoding of the target (one single-node pass per token on the same engine: the baseline that shows
             what speculation adds).
         max_new_tokens / min_new_tokens: bounds on the number of new tokens (EOS is banned before the minimum).
@@ -360,6 +361,11 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
     for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    shares = lambda head: (head.inner.get_input_embeddings() is model.get_input_embeddings()  # noqa: E731
+                           and head.inner.get_output_embeddings() is model.get_output_embeddings())
+    if isinstance(draft_model, DraftHead) and not shares(draft_model):
+        raise ValueError("the draft head was made for another model: a head drafts with its target's embedding and LM "
+                         "head (DraftHead.from_pretrained(path, target=model) loads it for this one)")
     if draft_model is not None and vocab_size(draft_model) != vocab:
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
                          f"({vocab}); they must share a tokenizer")
@@ -381,9 +387,7 @@ def tree_model(model, compile, nodes, pass_width, pad_single=True, returns_hidde
     CUDA every pass is padded to `pass_width` nodes (one CUDA graph per shape: extra rows cost a GPU almost
     nothing); on a CPU, where every row costs, the number of nodes stays a dynamic dimension (pad_single: see
     TreeModel.compile; adaptive trees' targets run one-node passes unpadded, warmed up by the calibration)."""
-    if isinstance(model, DraftHead):
-        if compile:
-            raise NotImplementedError("compiled passes do not run draft heads yet: pass compile=False")
+    if not compile and isinstance(model, DraftHead):
         return HeadTreeModel(model, nodes=nodes)
     if not compile:
         return TreeModel(model, nodes=nodes, returns_hidden=returns_hidden)

@@ -9,7 +9,7 @@ DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "d
 def demo_pair(dtype=torch.float32, device="cpu"):
     """(target, draft, tokenizer): a 6-layer Bamba target (5 Mamba2 layers + 1 attention layer) and a one-layer
     Mamba2 draft distilled from it, both trained on the Python standard library's source, and their BPE
-    tokenizer. Offline: everything ships inside the package."""
+    tokenizer. Offline: everything ships inside the package. The target's trained draft head: demo_head(target)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.exists(os.path.join(DEMO_DIR, "target", "model.safetensors")):
         raise FileNotFoundError(f"the demo pair is missing from {DEMO_DIR}; rebuild it with "
@@ -18,6 +18,13 @@ def demo_pair(dtype=torch.float32, device="cpu"):
     draft = AutoModelForCausalLM.from_pretrained(os.path.join(DEMO_DIR, "draft"), dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(DEMO_DIR, "tokenizer"))
     return target, draft, tokenizer
+
+
+def demo_head(target):
+    """The bundled target's draft head (a stree.heads.DraftHead: one Bamba attention block fed the target's features,
+    trained by `python -m stree.distill.demo_head`), for demo_pair()'s target in any dtype or device."""
+    from .heads import DraftHead
+    return DraftHead.from_pretrained(os.path.join(DEMO_DIR, "head"), target=target)
 
 
 def held_out_prompts(tokenizer, count, length, seed=0):

@@ -103,7 +103,8 @@ def calibrate(costs, target, draft, target_nodes, draft_rows, token):
                 model.tree_forward([[token]], [[-1]])
                 model.commit([-1])
             start = time.perf_counter()
-            model.tree_forward([[token] * n], [[-1] * n], **kwargs)[0, 0].tolist()
+            out = model.tree_forward([[token] * n], [[-1] * n], **kwargs)
+            (out[0] if isinstance(out, tuple) else out)[0, 0].tolist()  # (logits, hidden) from a head's target
             model.discard()
             best = min(best, time.perf_counter() - start)
         return best

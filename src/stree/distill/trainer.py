@@ -107,8 +107,9 @@ class Trainer:
         self.loader = DataLoader(dataset, batch_size=config.batch_size, sampler=self.sampler, drop_last=True)
         if len(self.loader) == 0:
             raise ValueError(f"the dataset ({len(dataset)} sequences) is smaller than one batch")
-        decay = [p for n, p in student.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in student.named_parameters() if p.dim() < 2]
+        trained = [p for p in student.parameters() if p.requires_grad]  # not a frozen teacher's shared ones
+        decay = [p for p in trained if p.dim() >= 2]
+        no_decay = [p for p in trained if p.dim() < 2]
         self.optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=config.weight_decay),
                                             dict(params=no_decay, weight_decay=0.0)], lr=config.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -218,8 +219,7 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
 
-    def resume(self, path):
-        """Continue from a checkpoint folder written by save(): weights, optimizer, schedule and data position."""
+    def _load_weights(self, path):
         from safetensors.torch import load_file
         weights = load_file(os.path.join(path, "model.safetensors"), device=str(self.device))
         missing, unexpected = self.student.load_state_dict(weights, strict=False)
@@ -227,6 +227,10 @@ class Trainer:
         tied = set(getattr(self.student, "_tied_weights_keys", None) or [])
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint does not match the student: missing {missing}, unexpected {unexpected}")
+
+    def resume(self, path):
+        """Continue from a checkpoint folder written by save(): weights, optimizer, schedule and data position."""
+        self._load_weights(path)
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -51,16 +51,19 @@ class DraftHead(nn.Module):
     def dtype(self):
         return self.fusion.fc.weight.dtype
 
+    def _shared(self):
+        """ids of the target's embedding and LM head parameters, which the head uses but does not own."""
+        return {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
+                for p in m.parameters()}
+
     def own_parameters(self):
         """The head's parameters without the target's embedding and LM head (what training updates)."""
-        shared = {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
-                  for p in m.parameters()}
+        shared = self._shared()
         return [p for p in self.parameters() if id(p) not in shared]
 
     def own_state_dict(self):
         """state_dict() without the target's embedding and LM head (what a checkpoint holds)."""
-        shared = {id(p) for m in (self.inner.get_input_embeddings(), self.inner.get_output_embeddings())
-                  for p in m.parameters()}
+        shared = self._shared()
         return {k: v for k, v in self.state_dict(keep_vars=True).items() if id(v) not in shared}
 
     def forward(self, input_ids, features, **kwargs):
@@ -80,7 +83,7 @@ class DraftHead(nn.Module):
         from .published import load_head
         return load_head(path, target)
 
-    def save_pretrained(self, path):
+    def save_pretrained(self, path, **_):
         """Write the head (not the target's shared embedding and LM head) to folder `path`, for from_pretrained."""
         from .published import save_head
         save_head(self, path)
@@ -102,21 +105,21 @@ def final_norm(base):
 
 
 def new_fusion(inner):
-    """An untrained HeadFusion for `inner`: both norms of its final norm's class (fresh copies), fc (H, 2H) with
-    HF's initialisation."""
+    """An untrained HeadFusion for `inner`: both norms copies of its final norm's class at their initial weights
+    (ones, or zeros for 1 + weight norms: the class's own initialisation), fc (H, 2H) with HF's initialisation."""
     norm = final_norm(inner.base_model)
     hidden = inner.config.hidden_size
     fusion = HeadFusion(copy.deepcopy(norm), copy.deepcopy(norm), nn.Linear(2 * hidden, hidden, bias=False))
+    initial = _initial_norm_weight(norm)
     for module in (fusion.norm_embedding, fusion.norm_hidden):
-        for p in module.parameters():  # back to the class's initial value (ones, or zeros for 1 + weight norms)
-            p.data.copy_(type(module)(hidden).weight.data if _rebuildable(module) else torch.ones_like(p))
+        module.weight.data.copy_(initial)
     nn.init.normal_(fusion.fc.weight, std=getattr(inner.config, "initializer_range", 0.02))
     return fusion.to(dtype=norm.weight.dtype, device=norm.weight.device)
 
 
-def _rebuildable(norm):
+def _initial_norm_weight(norm):
+    """The weight a new module of the norm's class starts with (ones where the class wants more arguments)."""
     try:
-        type(norm)(norm.weight.shape[0])
-        return True
+        return type(norm)(norm.weight.shape[0]).weight.data
     except TypeError:
-        return False
+        return torch.ones_like(norm.weight.data)

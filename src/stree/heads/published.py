@@ -55,7 +55,7 @@ def _load_trained(path, target):
     if unexpected or own & set(missing):
         raise ValueError(f"{path} does not hold this head's weights: missing {sorted(own & set(missing))}, "
                          f"unexpected {sorted(unexpected)}")
-    return head.to(target.dtype)
+    return head
 
 
 def read_tensors(path, pattern):

@@ -86,13 +86,18 @@ def mark_static(buffers):
 
 
 def compiled_tree_model(model, nodes, pass_width, pad_single, options, returns_hidden=False):
-    """The compiled TreeModel kept for `model` and these shapes and torch.compile options (made on first use)."""
+    """The compiled TreeModel kept for `model` (a HeadTreeModel for a draft head) and these shapes and torch.compile
+    options (made on first use)."""
+    from .head_model import HeadTreeModel
     from .tree_model import TreeModel
     kept = _COMPILED.setdefault(model, {})
     # The mode is in the key: a pass traces it as a constant (module attributes are not guarded in the pass's frame).
     key = (nodes, pass_width, pad_single, repr(sorted(options.items())), model.training,  # repr: values may be dicts
            returns_hidden)
     if key not in kept:
-        kept[key] = TreeModel(model, nodes=nodes, pass_width=pass_width, returns_hidden=returns_hidden).compile(
-            pad_single=pad_single, **options)
+        if hasattr(model, "fusion"):  # a draft head (stree.heads.DraftHead)
+            made = HeadTreeModel(model, nodes=nodes, pass_width=pass_width)
+        else:
+            made = TreeModel(model, nodes=nodes, pass_width=pass_width, returns_hidden=returns_hidden)
+        kept[key] = made.compile(pad_single=pad_single, **options)
     return kept[key]

@@ -57,16 +57,19 @@ class HeadTreeModel(TreeModel):
         return hidden
 
     def _node_features(self, inputs, given):
-        """Features (batch, width, feature_size) of a pass's rows: `given` (batch, n, ...) for the first n, then each
-        row's parent's output."""
+        """Features (batch, width, hidden) of a pass's rows: where given = (features (batch, width, hidden), rows
+        (width,) bool) marks a row, its given feature, else its parent's output."""
         rows, outputs = inputs["rows"], self._outputs
         parents = inputs["parents"].index_select(1, rows).clamp(min=0)
         features = outputs.gather(1, parents[..., None].expand(-1, -1, outputs.shape[-1]))
         if given is None:
             return features
-        return torch.cat([given.to(features.dtype), features[:, given.shape[1]:]], 1)
+        values, marked = given
+        return torch.where(marked[None, :, None], values.to(features.dtype), features)
 
     def _checked_features(self, features, shape):
+        """(features padded to the pass's width, (width,) bool marking the rows they are given for), fixed shapes
+        for a compiled pass, or None."""
         if features is None:
             return None
         batch, R = shape
@@ -74,7 +77,10 @@ class HeadTreeModel(TreeModel):
                 or features.shape[1] > R or features.shape[2] != self.feature_size):
             raise ValueError(f"features must be a tensor (batch={batch}, n <= {R}, {self.feature_size}), got "
                              f"{tuple(features.shape) if isinstance(features, torch.Tensor) else type(features)}")
-        return features.to(self.device)
+        width, _ = self._shape(R, [])
+        n = features.shape[1]
+        values = torch.cat([features.to(self.device), features.new_zeros(batch, width - n, self.feature_size)], 1)
+        return values, torch.arange(width, device=self.device) < n
 
     def _reserve(self, slots):
         outputs = self._outputs
