@@ -44,8 +44,10 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything im
 # name: (arguments on a GPU, arguments for --dry-run or None: tiny built-in presets and a few tokens,
 #        budget in seconds (GPU, dry)). generate.py puts its PNG beside its --out JSON.
 GENERATE_RUNS = {
+    # the bundled target's trees come twice: drafted by the bundled draft and by its head ("head <tree>" rows)
     "bundled-pair": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16", "--large",
-                      "--temperatures", "0", "1", "--prompts", "2", "--repeats", "2", "--max-new-tokens", "64"],
+                      "--temperatures", "0", "1", "--prompts", "2", "--repeats", "2", "--max-new-tokens", "64",
+                      "--trees", "dynamic-16", "adaptive"],
                      ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4", "--dtypes",
                       "float32", "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens",
                       "4", "--repeats", "1"],
@@ -55,7 +57,7 @@ GENERATE_RUNS = {
     # loop + DynamicTree(16) took 132 s. (Eager drafting both ways was measured on the second run: the host won,
     # 1.52x against 1.28x HF generate.)
     "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
-                               "--temperatures", "0", "--trees", "dynamic-16", "adaptive", "--compile",
+                               "--temperatures", "0", "--trees", "adaptive", "--compile",
                                "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
                                "16", "--profile", "30"], None, (245, 0)),
     "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],

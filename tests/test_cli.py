@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+import stree
 from stree.cli import _tree, main
 from stree.demo import held_out_prompts
 from stree.draft import BeamTree, DynamicTree, StaticTree
@@ -116,6 +118,38 @@ def test_distill_command(pair_dir, tmp_path, capsys):
           "--student-config", student, "--data", str(corpus), "--output", str(tmp_path / "out2"), "--steps", "4",
           "--batch-size", "2", "--seq-len", "24", "--resume", str(tmp_path / "out" / "checkpoint-2")])
     assert os.path.exists(tmp_path / "out2" / "final" / "model.safetensors")
+
+
+def test_distill_command_trains_a_head(pair_dir, tmp_path, capsys):
+    """--head-layers trains an EAGLE-style head (stree.distill.heads) with the same checkpoints and resume; the head
+    loads back and drafts for the target."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{(i * 7) % 64}" for i in range(3000)))
+    common = ["distill", "--target", str(pair_dir / "target"), "--tokenizer", str(pair_dir / "tokenizer"),
+              "--head-layers", "1", "--unroll", "2", "--data", str(corpus), "--steps", "4", "--batch-size", "2",
+              "--seq-len", "24"]
+    main(common + ["--output", str(tmp_path / "out"), "--save-every", "2"])
+    last = json.loads(capsys.readouterr().out)
+    assert last["step"] == 4 and {"kl_0", "kl_1", "feature_0", "feature_1"} <= set(last)
+    main(common + ["--output", str(tmp_path / "out2"), "--resume", str(tmp_path / "out" / "checkpoint-2")])
+    target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32)
+    head = stree.DraftHead.from_pretrained(tmp_path / "out2" / "final", target=target)
+    ids = torch.tensor([[3, 5, 7, 11]])
+    out = stree.generate(target, ids, draft_model=head, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out, target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=8, eos_token_id=None))
+
+
+@pytest.mark.parametrize("extra, message", [([], "--student-config .* or --head-layers"),
+                                            (["--student-config", '{"model_type": "mamba2"}', "--head-layers", "1"],
+                                             "not both")])
+def test_distill_needs_a_student_or_a_head(pair_dir, tmp_path, capsys, extra, message):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("w1 w2 w3")
+    with pytest.raises(SystemExit):
+        main(["distill", "--target", str(pair_dir / "target"), "--data", str(corpus), "--output",
+              str(tmp_path / "out")] + extra)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_console_script_is_installed():

@@ -379,3 +379,16 @@ def test_compiled_head_passes_equal_hfs_greedy():
                                 compile={"backend": "aot_eager"})
     assert torch.equal(out, want)
     assert max(stats.tokens_per_pass) >= 2  # a trunk of more than one token came back to the head
+
+
+@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=8, depth=4, top_k=2, frontier=2)])
+def test_head_trees_grown_on_the_device_equal_hfs_greedy(tree):
+    """draft_on_device=True grows a greedy head tree's levels in one call (each level's nodes read their parents'
+    outputs inside it) instead of one host round trip a level: the output is still HF's greedy."""
+    target, head = echo_pair("qwen3_next", context=ECHO_CONTEXT)
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
+    out, stats = stree.generate(target, ids, draft_model=head, max_new_tokens=24, tree=tree, draft_on_device=True,
+                                return_stats=True)
+    assert torch.equal(out, want)
+    assert stats.tau > 1.3 and stats.transfers <= 3 * stats.rounds  # accepted drafts; no copy per level

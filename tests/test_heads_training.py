@@ -133,3 +133,48 @@ def test_an_inflated_head_drafts_what_the_small_one_drafts(demo):
         big, _ = big_head(ids[:, 1:], big_features[:, :-1])
     torch.testing.assert_close(big, small, atol=2e-4, rtol=1e-4)
     assert sum(p.numel() for p in big_head.own_parameters()) > 3 * sum(p.numel() for p in head.own_parameters())
+
+
+def head_setup(steps, output_dir, batch_size=4, **config):
+    """A tiny float64 bamba target (rounding does not blur the comparisons), a new head for it, random-token chunks
+    and a TrainConfig."""
+    target = tiny_model("bamba", dtype=torch.float64, seed=1)
+    torch.manual_seed(0)
+    head = new_head(target)
+    tokens = torch.randint(1, 64, (4000,), generator=torch.Generator().manual_seed(2))
+    config = TrainConfig(output_dir=str(output_dir), steps=steps, batch_size=batch_size, lr=1e-2, warmup=1,
+                         progress=False, **config)
+    return target, head, TokenChunks(tokens, 16), config
+
+
+def test_head_training_resumes_exactly(tmp_path):
+    target, straight, data, config = head_setup(6, tmp_path / "a")
+    HeadTrainer(straight, config, data, target, unroll=2).train()
+    target, checkpointed, data, config = head_setup(6, tmp_path / "b", save_every=3)
+    HeadTrainer(checkpointed, config, data, target, unroll=2).train()
+    target, resumed, data, config = head_setup(6, tmp_path / "c")
+    trainer = HeadTrainer(resumed, config, data, target, unroll=2).resume(tmp_path / "b" / "checkpoint-3")
+    assert trainer.step == 3
+    trainer.train()
+    torch.testing.assert_close(resumed.own_state_dict(), straight.own_state_dict())
+
+
+def _ddp_head_worker(rank, world, init_file, output_dir, result_file):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    target, head, data, config = head_setup(4, output_dir, batch_size=2)
+    HeadTrainer(head, config, data, target, unroll=2).train()
+    if rank == 0:
+        torch.save({k: v.detach() for k, v in head.own_state_dict().items()}, result_file)
+    dist.destroy_process_group()
+
+
+def test_two_gloo_processes_train_a_head_as_one_process(tmp_path):
+    import torch.multiprocessing as mp
+    result = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_head_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "ddp"), result), nprocs=2, join=True)
+    target, single, data, config = head_setup(4, tmp_path / "single", batch_size=4)
+    HeadTrainer(single, config, data, target, unroll=2).train()
+    want = {k: v.detach() for k, v in single.own_state_dict().items()}
+    torch.testing.assert_close(torch.load(result), want, rtol=1e-9, atol=1e-10)

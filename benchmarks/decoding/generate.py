@@ -14,6 +14,7 @@ Prints the device, CPU flags and models, then the tables; writes JSON and a PNG 
     python -m benchmarks.decoding.generate --compile          # torch.compile'd passes (warm-up reported)
     python -m benchmarks.decoding.generate --both-drafting    # greedy trees drafted on host and device
     python -m benchmarks.decoding.generate --profile 25       # + where each method's host time goes
+    python -m benchmarks.decoding.generate --head none        # without the draft-head rows
     python -m benchmarks.decoding.generate --target PATH --draft PATH   # any local HF checkpoints
     python -m benchmarks.decoding.generate --overhead-only --target mamba2-2.7b-4layers --dtypes bfloat16
 """
@@ -26,7 +27,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from benchmarks.common import SHORT_DTYPES, device_line, machine_info, median_ms, results_path, write_json
 from stree import BeamTree, random_parents
 from stree.benchmark import compare, format_profile, format_rows
-from stree.demo import demo_pair, held_out_prompts
+from stree.demo import demo_head, demo_pair, held_out_prompts
+from stree.heads import DraftHead
+from stree.heads.inflate import inflate_head
 from stree.drafting import grows_on_device
 from stree.models import TreeModel, inflate_bamba, tiny_model
 from stree.shapes import parse_tree, tree_name
@@ -189,6 +192,8 @@ def parse_args(argv):
     parser.add_argument("--target", default="demo-target",
                         help=f"a local checkpoint, demo-target, or one of {list(PRESETS)}")
     parser.add_argument("--draft", default="demo-draft", help="a local checkpoint, demo-draft, or a preset name")
+    parser.add_argument("--head", default=None, help="a draft head's folder (DraftHead.from_pretrained), demo (the "
+                        "default with demo-target: the bundled head) or none; its rows are 'head <tree>' for each tree")
     parser.add_argument("--trees", nargs="+", type=tree_arg, default=[parse_tree(n) for n in DEFAULT_TREES],
                         help="tree names: adaptive, dynamic-16, chain-4, static-2,2,1,1, beam-4x4, ...")
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
@@ -240,10 +245,20 @@ def prompts_for(args, model, device):
             for _ in range(args.prompts)], "random tokens"
 
 
-def trees_for(args, temperature, device):
-    """The tree methods of one table: --trees (no beam trees when sampling) and, greedy with --both-drafting, each
-    static/dynamic tree drafted the other way too."""
+def load_head(args, target):
+    """The --head for `target` (None: no head rows)."""
+    name = args.head or ("demo" if args.target == "demo-target" else "none")
+    if name == "none":
+        return None
+    return demo_head(target) if name == "demo" else DraftHead.from_pretrained(name, target=target)
+
+
+def trees_for(args, temperature, device, head=None):
+    """The tree methods of one table: --trees (no beam trees when sampling), each also drafted by `head` if given,
+    and, greedy with --both-drafting, each static/dynamic tree drafted the other way too."""
     trees = {tree_name(t): t for t in args.trees if temperature == 0 or not isinstance(t, BeamTree)}
+    if head is not None:
+        trees.update({f"head {name}": dict(tree=spec, draft_model=head) for name, spec in list(trees.items())})
     if args.both_drafting and temperature == 0:
         other = not grows_on_device(device, args.compile)
         trees.update({f"{n}, {'device' if other else 'host'} drafting": dict(tree=spec, draft_on_device=other)
@@ -256,11 +271,14 @@ def measure(args, device, result, save):
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         target = load(args.target, dtype, device)
-        targets = [(args.target, target, args.max_new_tokens)]
+        head = load_head(args, target)
+        targets = [(args.target, target, args.max_new_tokens, head)]
         if args.large:
-            targets.append((f"{args.target} inflated to 0.9B", inflate_bamba(target, **LARGE).to(device),
-                            args.large_new_tokens))
-        for label, model, new_tokens in targets:
+            large = inflate_bamba(target, **LARGE).to(device)
+            sizes = {k: v for k, v in LARGE.items() if k != "num_layers"}
+            targets.append((f"{args.target} inflated to 0.9B", large, args.large_new_tokens,
+                            head and inflate_head(head, large, **sizes)))
+        for label, model, new_tokens, model_head in targets:
             params = sum(p.numel() for p in model.parameters())
             overhead = tree_overhead(model, device, sizes=args.overhead_sizes, compile=args.compile)
             print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
@@ -272,9 +290,12 @@ def measure(args, device, result, save):
             model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
             prompts, source = prompts_for(args, model, device)
             for temperature in args.temperatures:
-                print(f"\n{label}, draft {args.draft}, {dtype_name}, temperature {temperature}: {args.prompts} x "
+                head_size = "" if model_head is None else \
+                    f" (head: {sum(p.numel() for p in model_head.own_parameters()) / 1e6:.1f}M + the target's LM head)"
+                print(f"\n{label}, draft {args.draft}{head_size}, {dtype_name}, temperature {temperature}: {args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
-                rows = compare(model, draft, prompts, trees_for(args, temperature, device), max_new_tokens=new_tokens,
+                rows = compare(model, draft, prompts, trees_for(args, temperature, device, model_head),
+                               max_new_tokens=new_tokens,
                                temperature=temperature, repeats=args.repeats, compile=args.compile,
                                profile=args.profile)
                 print(format_rows(rows))

@@ -137,7 +137,10 @@ def check_args(parser, args):
             parser.error(f"--resume: no such folder: {args.resume}")
         if args.continuations and args.seq_len < 3:
             parser.error(f"--continuations needs --seq-len >= 3 (prompts are a third of it), got {args.seq_len}")
-        args.student_config = _student_config(parser, args.student_config)
+        if (args.student_config is None) == (args.head_layers is None):
+            parser.error("give --student-config (train a draft model) or --head-layers (train a draft head), not both")
+        if args.student_config is not None:
+            args.student_config = _student_config(parser, args.student_config)
 
 
 def _load_pair(args, dtype=torch.float32):
@@ -256,7 +259,11 @@ def cmd_distill(args):
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    student = student_from_config(target, args.student_config, share_embeddings=args.share_embeddings).to(device)
+    if args.head_layers:
+        from .heads import new_head
+        student = new_head(target, layers=args.head_layers)
+    else:
+        student = student_from_config(target, args.student_config, share_embeddings=args.share_embeddings).to(device)
     token_files = [p for p in args.data if p.endswith((".pt", ".npy"))]
     texts = text_files([p for p in args.data if p not in token_files])
     streams = [load_tokens(p) for p in token_files]
@@ -273,7 +280,12 @@ def cmd_distill(args):
                          temperature=args.temperature, teacher_top_k=args.teacher_top_k, eval_every=args.eval_every,
                          save_every=args.save_every)
     eval_prompts = random_windows(tokens, 4, 32, torch.Generator().manual_seed(1)) if args.eval_every else None
-    trainer = Trainer(student, config, ConcatDataset(datasets), teacher=target, eval_prompts=eval_prompts)
+    if args.head_layers:
+        from .distill.heads import HeadTrainer
+        trainer = HeadTrainer(student, config, ConcatDataset(datasets), target, eval_prompts=eval_prompts,
+                              unroll=args.unroll)
+    else:
+        trainer = Trainer(student, config, ConcatDataset(datasets), teacher=target, eval_prompts=eval_prompts)
     if args.resume:
         trainer.resume(args.resume)
     history = trainer.train()
@@ -323,7 +335,11 @@ def build_parser():
 
     dist = commands.add_parser("distill", help="train a draft for a target")
     dist.add_argument("--target", required=True)
-    dist.add_argument("--student-config", required=True, help='JSON file or literal, e.g. {"model_type": "mamba2", ...}')
+    dist.add_argument("--student-config", help='a draft model to train: JSON file or literal, e.g. {"model_type": '
+                      '"mamba2", ...}')
+    dist.add_argument("--head-layers", type=_positive_int, help="train a draft head of this many attention blocks "
+                      "instead (EAGLE-style, on the target's features; --loss is then not used)")
+    dist.add_argument("--unroll", type=_positive_int, default=3, help="a head's training-time-test steps")
     dist.add_argument("--data", nargs="+", required=True, help="text files/folders, or .pt/.npy token files")
     dist.add_argument("--tokenizer")
     dist.add_argument("--output", required=True)
