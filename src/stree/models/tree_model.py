@@ -121,6 +121,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if P < 1:
             raise ValueError("prefill needs at least one token")
         check_token_ids("input_ids", input_ids, self.vocab)
+        self._checked_features(features, (batch, P))  # a plain model takes none
         hf_cache = DynamicCache(config=self.config)
         kwargs = {}
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
