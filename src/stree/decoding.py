@@ -153,8 +153,8 @@ class Generation:
                 self.features = hidden[:, -1:]
             elif draft_model is not None:
                 self.draft.prefill(input_ids, max_length=max_length)
-                if draft_on_device is None:
-                    draft_on_device = grows_on_device(self.draft.device, self.draft.compiled)
+            if draft_model is not None and draft_on_device is None:
+                draft_on_device = grows_on_device(self.draft.device, self.draft.compiled)
         self.on_device = draft_on_device
         self.out.emit([root])
         self.trunk = [root]  # tokens the draft's cache still lacks; the last is the root of the next tree

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_float, check_int
+from ..checks import check_float, check_ids, check_int
 from ..models.families import LOGIT_SCALE
 from .losses import forward_kl
 from .trainer import Trainer
@@ -97,7 +97,6 @@ class HeadTrainer(Trainer):
         super().__init__(head, config, dataset, teacher=target, eval_prompts=eval_prompts)
 
     def _loss(self, batch):
-        from ..checks import check_ids
         check_ids("a batch of the dataset", batch["input_ids"], self.vocab)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             return head_loss(self.model, self.teacher, batch["input_ids"], batch.get("mask"), self.unroll,

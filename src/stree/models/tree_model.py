@@ -121,7 +121,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if P < 1:
             raise ValueError("prefill needs at least one token")
         check_token_ids("input_ids", input_ids, self.vocab)
-        self._checked_features(features, (batch, P))  # a plain model takes none
+        if not self.IS_HEAD:  # a plain model takes no features (HeadTreeModel.prefill checks its own)
+            self._checked_features(features, (batch, P))
         hf_cache = DynamicCache(config=self.config)
         kwargs = {}
         if self.uses_attention:  # Bamba ignores the cache offset by default: always pass positions
