@@ -72,7 +72,8 @@ def published_tensors(target, family, layers):
     if family == "nemotron_h":
         last = len(target.config.mtp_layers_block_type) - 1
         out.update({"mtp.layers.0.enorm.weight": 1 + rand(H), "mtp.layers.0.hnorm.weight": 1 + rand(H),
-                    "mtp.layers.0.eh_proj.weight": rand(H, 2 * H), f"mtp.layers.{last}.final_layernorm.weight": 1 + rand(H)})
+                    "mtp.layers.0.eh_proj.weight": rand(H, 2 * H),
+                    f"mtp.layers.{last}.final_layernorm.weight": 1 + rand(H)})
     else:
         out.update({"mtp.fc.weight": rand(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": rand(H),
                     "mtp.pre_fc_norm_hidden.weight": rand(H), "mtp.norm.weight": rand(H)})
@@ -121,7 +122,8 @@ def test_published_head_computes_the_published_forward(family, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64,  # HF skips mtp.*
                                                   experts_implementation="eager").eval()
     head = DraftHead.from_pretrained(tmp_path, target=loaded)
-    assert head.kind.startswith(family) and head.kind.endswith("_mtp") and head.inner.get_input_embeddings() is loaded.get_input_embeddings()
+    assert head.kind.startswith(family) and head.kind.endswith("_mtp")
+    assert head.inner.get_input_embeddings() is loaded.get_input_embeddings()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, target.config.vocab_size, (1, 7), generator=g)
     features = torch.randn(1, 7, target.config.hidden_size, generator=g, dtype=torch.float64)

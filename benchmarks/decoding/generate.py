@@ -292,7 +292,8 @@ def measure(args, device, result, save):
             for temperature in args.temperatures:
                 head_size = "" if model_head is None else \
                     f" (head: {sum(p.numel() for p in model_head.own_parameters()) / 1e6:.1f}M + the target's LM head)"
-                print(f"\n{label}, draft {args.draft}{head_size}, {dtype_name}, temperature {temperature}: {args.prompts} x "
+                print(f"\n{label}, draft {args.draft}{head_size}, {dtype_name}, temperature {temperature}: "
+                      f"{args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
                 rows = compare(model, draft, prompts, trees_for(args, temperature, device, model_head),
                                max_new_tokens=new_tokens,

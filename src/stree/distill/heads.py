@@ -9,8 +9,6 @@ it would while drafting s levels below a root at t - s: to the true entries up t
 (step s' at entry t - s + s', for 1 <= s' <= s). All steps run in one forward over their concatenation with that mask
 (each step's inputs come from the previous forward, so step s costs a forward over s + 1 copies of the sequence).
 """
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -48,10 +46,9 @@ def unrolled_head(model, input_ids, features, steps):
     batch, m = input_ids.shape
     positions = torch.arange(m, device=input_ids.device).repeat(steps).expand(batch, -1)
     allowed = unrolled_visibility(m, steps, input_ids.device)
-    feeds = [features]
+    feeds, dtype = [features], features.dtype
     for step in range(steps):
         n = (step + 1) * m
-        dtype = features.dtype
         mask = torch.zeros(n, n, dtype=dtype, device=input_ids.device).masked_fill_(~allowed[:n, :n],
                                                                                     torch.finfo(dtype).min)
         with torch.set_grad_enabled(step + 1 == steps and torch.is_grad_enabled()):
@@ -64,8 +61,9 @@ def unrolled_head(model, input_ids, features, steps):
 
 
 def head_loss(head, target, input_ids, mask=None, steps=3, feature_weight=0.1, decay=0.8, dtype=None):
-    """EAGLE-style loss of `head` (a DraftHead, or a DDP wrapping one; dtype: its features' dtype) on sequences input_ids (batch, n) (module docstring): over unroll steps s with
-    weight decay**s, forward KL from the target's next-token distribution plus feature_weight times SmoothL1 to the
+    """EAGLE-style loss of `head` (a DraftHead, or a DDP wrapping one; dtype: its features' dtype) on sequences
+    input_ids (batch, n) (module docstring): over unroll steps s with weight decay**s, forward KL from the target's
+    next-token distribution plus feature_weight times SmoothL1 to the
     target's next feature, on entries t >= s whose predicted position counts in `mask` (batch, n). Returns (loss,
     {name: float})."""
     logits_t, hidden_t = target_outputs(target, input_ids)
@@ -103,9 +101,5 @@ class HeadTrainer(Trainer):
                              self.feature_weight, self.decay, self.student.dtype)
 
     def _load_weights(self, path):
-        from safetensors.torch import load_file
-        from ..heads.published import HEAD_WEIGHTS
-        weights = load_file(os.path.join(path, HEAD_WEIGHTS), device=str(self.device))
-        missing, unexpected = self.student.load_state_dict(weights, strict=False)
-        if unexpected or set(self.student.own_state_dict()) & set(missing):
-            raise ValueError(f"checkpoint does not match the head: missing {missing}, unexpected {unexpected}")
+        from ..heads.published import load_weights
+        load_weights(self.student, path)

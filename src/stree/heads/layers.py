@@ -3,34 +3,30 @@ all full attention (with the family's MLP), or, for families without attention l
 width. Its embedding and LM head are replaced by the target's (head.share_embeddings)."""
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from ..models.families import SUPPORTED_MODEL_TYPES
-
 
 def _attention_layers(key):
-    """Edits a config dict to `layers` full-attention layers through the config field `key` (a per-layer list)."""
-    def edit(config, layers):
-        config[key] = ["full_attention"] * layers
-    return edit
+    """Changes giving `layers` full-attention layers through the config field `key` (a per-layer list)."""
+    return lambda layers: ({key: ["full_attention"] * layers}, ())
 
 
-def _bamba(config, layers):
-    config["attn_layer_indices"] = list(range(layers))
-
-
-def _nemotron_h(config, layers):
-    config["layers_block_type"] = ["full_attention", "mlp"] * layers
-    config.pop("hybrid_override_pattern", None)
-    config["num_nextn_predict_layers"] = 0
-
-
-def _plain(config, layers):
-    config.pop("layer_types", None)
-
-
-# model_type -> how a copy of the target's config (a dict, num_hidden_layers set) is made all-attention
-OWN_FAMILY = {"llama": _plain, "qwen2": _plain, "qwen3": _plain, "bamba": _bamba, "nemotron_h": _nemotron_h,
+# model_type -> (changes, keys to drop) that make a copy of the target's config all-attention with `layers` layers
+OWN_FAMILY = {"llama": lambda layers: ({}, ("layer_types",)), "qwen2": lambda layers: ({}, ("layer_types",)),
+              "qwen3": lambda layers: ({}, ("layer_types",)),
+              "bamba": lambda layers: ({"attn_layer_indices": list(range(layers))}, ()),
+              "nemotron_h": lambda layers: ({"layers_block_type": ["full_attention", "mlp"] * layers,
+                                             "num_nextn_predict_layers": 0}, ("hybrid_override_pattern",)),
               "qwen3_next": _attention_layers("layer_types"), "qwen3_5_text": _attention_layers("layer_types"),
               "qwen3_5_moe_text": _attention_layers("layer_types")}
+
+
+def edited_config(text, drop=(), **changes):
+    """A copy of config `text` with `changes`, without the keys `drop`, and with untied embeddings (a head's
+    embedding and LM head are its target's)."""
+    config = text.to_dict()
+    for key in drop:
+        config.pop(key, None)
+    config.update(changes, tie_word_embeddings=False)
+    return AutoConfig.for_model(config.pop("model_type"), **config)
 
 
 def head_config(target_config, layers=1):
@@ -38,13 +34,9 @@ def head_config(target_config, layers=1):
     multimodal wrappers): `layers` attention blocks of the target's family (OWN_FAMILY), else Llama blocks of its
     hidden size, heads and vocabulary."""
     text = target_config.get_text_config()
-    if text.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {text.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if text.model_type in OWN_FAMILY:
-        config = text.to_dict()
-        config.update(num_hidden_layers=layers, mlp_only_layers=[], tie_word_embeddings=False)
-        OWN_FAMILY[text.model_type](config, layers)
-        return AutoConfig.for_model(config.pop("model_type"), **config)
+        changes, drop = OWN_FAMILY[text.model_type](layers)
+        return edited_config(text, drop, num_hidden_layers=layers, mlp_only_layers=[], **changes)
     hidden = text.hidden_size
     heads = getattr(text, "num_attention_heads", None) or max(1, hidden // 64)
     return LlamaConfig(vocab_size=text.vocab_size, hidden_size=hidden, num_hidden_layers=layers,

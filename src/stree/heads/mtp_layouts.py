@@ -20,7 +20,7 @@ import re
 import torch
 
 from .head import DraftHead, new_fusion
-from .layers import head_layers
+from .layers import edited_config, head_layers
 
 MTP_PREFIX = r"^(model\.)?(language_model\.)?mtp\."  # multimodal checkpoints nest the text model's keys
 QWEN_MTP = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -58,7 +58,7 @@ def _folder_config(path):
 def _qwen(text, tensors):
     """(inner config, key renamer) of a Qwen3-Next / Qwen3.5 MTP head."""
     layers = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", k)))
-    config = _edited(text, num_hidden_layers=layers, layer_types=["full_attention"] * layers, mlp_only_layers=[])
+    config = edited_config(text, num_hidden_layers=layers, layer_types=["full_attention"] * layers, mlp_only_layers=[])
 
     def name(key):
         key = key[len("mtp."):]
@@ -76,7 +76,7 @@ def _nemotron_h(text, tensors):
     present = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"mtp\.layers\.(\d+)\.", k)))
     if len(blocks) != present:
         raise ValueError(f"the config's mtp_layers_block_type {blocks} does not match the {present} mtp layers stored")
-    config = _edited(text, layers_block_type=blocks, num_nextn_predict_layers=0)
+    config = edited_config(text, layers_block_type=blocks, num_nextn_predict_layers=0)
     last = f"layers.{present - 1}.final_layernorm.weight"
 
     def name(key):
@@ -86,13 +86,6 @@ def _nemotron_h(text, tensors):
                   last: "inner.model.norm_f.weight"}
         return fusion.get(key, "inner.model." + key)
     return config, name
-
-
-def _edited(text, **changes):
-    from transformers import AutoConfig
-    config = text.to_dict()
-    config.update(changes, tie_word_embeddings=False)
-    return AutoConfig.for_model(config.pop("model_type"), **config)
 
 
 def _load(head, tensors, path):

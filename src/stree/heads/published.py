@@ -7,6 +7,7 @@ import re
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from ..models.families import check_model
 from .head import DraftHead, new_fusion
 from .layers import head_config, head_layers
 from .mtp_layouts import load_mtp_head
@@ -18,6 +19,7 @@ HEAD_WEIGHTS = "head.safetensors"
 def new_head(target, layers=1):
     """An untrained EAGLE-style head for `target` (a loaded HF causal LM): `layers` attention blocks of the target's
     family (heads.layers), a fresh fusion, the target's embedding and LM head, on the target's dtype and device."""
+    check_model(target)  # a supported family (ValueError listing them)
     inner = head_layers(head_config(target.config, layers), target)
     return DraftHead(inner, new_fusion(inner), target, kind="eagle")
 
@@ -49,13 +51,19 @@ def _load_trained(path, target):
                          f"{target.config.get_text_config().vocab_size}")
     inner = head_layers(config, target)
     head = DraftHead(inner, new_fusion(inner), target, kind=saved.get("kind", "eagle"))
-    state = load_file(os.path.join(path, HEAD_WEIGHTS), device=str(target.device))
+    load_weights(head, path)
+    return head
+
+
+def load_weights(head, path):
+    """Load the head's own weights from folder `path` (save_head's head.safetensors); ValueError naming what is
+    missing or unexpected."""
+    state = load_file(os.path.join(path, HEAD_WEIGHTS), device=str(head.device))
     missing, unexpected = head.load_state_dict(state, strict=False)
     own = set(head.own_state_dict())
     if unexpected or own & set(missing):
         raise ValueError(f"{path} does not hold this head's weights: missing {sorted(own & set(missing))}, "
                          f"unexpected {sorted(unexpected)}")
-    return head
 
 
 def read_tensors(path, pattern):

@@ -24,8 +24,8 @@ class HeadTreeModel(TreeModel):
     def __init__(self, head, *, nodes=16, pass_width=None):
         super().__init__(head.inner, nodes=nodes, pass_width=pass_width)
         if self.mixers:
-            raise ValueError(f"a draft head's layers must be attention, MLP or MoE blocks; {head.inner.config.model_type}"
-                             f" layers {sorted(self.mixers)} hold recurrent states")
+            raise ValueError(f"a draft head's layers must be attention, MLP or MoE blocks; "
+                             f"{head.inner.config.model_type} layers {sorted(self.mixers)} hold recurrent states")
         self.fusion, self.feature_size = head.fusion, self.config.hidden_size
         self.embed = self.base.get_input_embeddings()
         self._outputs = None  # (batch, slots, hidden): each tree node's output hidden state, its children's feature
