@@ -17,17 +17,18 @@ def scale_outputs(model, factor):
                 module.weight.mul_(factor)
 
 
-def echo_pair(family, context=0.3, noise=0.05, sharpness=4.0, vocab=None, seed=1):
+def echo_pair(family, context=0.3, noise=0.05, sharpness=4.0, vocab=None, seed=1, feature_layers=None):
     """(target, head): a tiny float64 target whose blocks add `context` times their usual output, its LM head scaled
-    by `sharpness`, and a head whose layers add `noise` times theirs and whose fusion passes the token's embedding
-    (plus `noise`): its drafts follow the target's next-token distribution up to the context's effect."""
+    by `sharpness`, and a head (reading the target's `feature_layers`, new_head's argument) whose layers add `noise`
+    times theirs and whose fusion passes the token's embedding (plus `noise`): its drafts follow the target's
+    next-token distribution up to the context's effect."""
     kwargs = {} if vocab is None else {"vocab_size": vocab}
     target = tiny_model(family, dtype=torch.float64, seed=seed, **kwargs)
     scale_outputs(target, context)
     target.get_output_embeddings().weight.data.mul_(sharpness)
     target.generation_config.eos_token_id = None
     torch.manual_seed(seed)
-    head = new_head(target)
+    head = new_head(target, feature_layers=feature_layers)
     scale_outputs(head.inner, noise)
     hidden = head.config.hidden_size
     g = torch.Generator().manual_seed(seed)

@@ -42,11 +42,17 @@ ECHO_CONTEXT = 0.1
 # ---------------------------------------------------------------------------------------------------------------------
 # The naive reference: the head run sequentially (DraftHead.forward, no cache) over the target's own hidden states.
 
-def target_features(target, sequence):
-    """The target's last hidden state (after its final norm) at every position of `sequence` (1, n), by HF's own
-    forward over the whole sequence."""
+def target_features(target, sequence, layers=None):
+    """The features a head reading the target's `layers` is fed at every position of `sequence` (1, n), by HF's own
+    forward over the whole sequence: the last hidden state (after the final norm) when layers is None, else the
+    outputs of those decoder layers concatenated (HF's hidden_states[i + 1]; not the last layer's, which HF's
+    hidden_states give after the final norm)."""
     with torch.no_grad():
-        return target.base_model(sequence).last_hidden_state
+        out = target.base_model(sequence, output_hidden_states=True)
+    if layers is None:
+        return out.last_hidden_state
+    assert max(layers) < len(out.hidden_states) - 2
+    return torch.cat([out.hidden_states[i + 1] for i in layers], -1)
 
 
 def reference_distribution(target, head, sequence, path):
@@ -54,14 +60,14 @@ def reference_distribution(target, head, sequence, path):
     (1, n) the committed tokens, its last one the root: the head's entries are tokens sequence[1:] fed the target's
     features at the positions before them, then each path token fed the head's own last output hidden state; the
     distribution is the softmax of the last entry's logits (temperature 1)."""
-    features = target_features(target, sequence)[:, :-1]
-    tokens = sequence[:, 1:]
+    features = target_features(target, sequence, head.feature_layers)[:, :-1]
+    tokens, own = sequence[:, 1:], sequence.new_zeros(1, 0)
     with torch.no_grad():
         logits, hidden = head(tokens, features)
         for token in path:
             tokens = torch.cat([tokens, torch.tensor([[token]])], 1)
-            features = torch.cat([features, hidden[:, -1:]], 1)
-            logits, hidden = head(tokens, features)
+            own = hidden[:, -1:] if not own.numel() else torch.cat([own, hidden[:, -1:]], 1)
+            logits, hidden = head(tokens, features, own)
     return logits[0, -1].double().softmax(-1)
 
 
@@ -90,20 +96,23 @@ def drive(generation, prompt, check):
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. Drafted trees follow the sequential head
 
-@pytest.mark.parametrize("family, tree, prompt, seed", [
-    ("bamba", (2, 2, 1), [4, 8, 15, 16, 23], 0),
-    ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), [9], 1),
-    ("qwen3_next", (2, 2, 1), [9], 2),
-    ("qwen3_next", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), [4, 8, 15, 16, 23, 42, 7], 3),
+@pytest.mark.parametrize("family, tree, prompt, seed, feature_layers", [
+    ("bamba", (2, 2, 1), [4, 8, 15, 16, 23], 0, None),
+    ("bamba", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), [9], 1, None),
+    ("qwen3_next", (2, 2, 1), [9], 2, None),
+    ("qwen3_next", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), [4, 8, 15, 16, 23, 42, 7], 3, None),
+    ("bamba", (2, 2, 1), [4, 8, 15], 4, (1, 0)),
+    ("qwen3_next", stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2), [9], 5, (0, 1)),
 ])
-def test_drafted_distributions_follow_the_sequential_head(family, tree, prompt, seed):
+def test_drafted_distributions_follow_the_sequential_head(family, tree, prompt, seed, feature_layers):
     """Sampling at temperature 1, every draft distribution a round's tree was drawn from (DraftedTree.probs: the
     root's and every expanded node's, in every round, including rounds after catch-ups over accepted paths of 2+
     draft tokens) equals the naive reference's: the head run sequentially with DraftHead.forward over the committed
     tokens S[1:] fed the target's features (HF's forward over S) at the positions before them, then the path's
     draft tokens fed the head's own last output. Also the round's trunk (the tokens the head's cache lacked) is the
-    end of S, its root S's last token; and the one-token prompts start the head's cache empty."""
-    target, head = echo_pair(family, context=ECHO_CONTEXT)
+    end of S, its root S's last token; and the one-token prompts start the head's cache empty. With feature_layers
+    (EAGLE-3-style heads) the features are those layers' outputs (HF's hidden_states), in the order given."""
+    target, head = echo_pair(family, context=ECHO_CONTEXT, feature_layers=feature_layers)
     prompt = torch.tensor([prompt])
     generation = Generation(target, prompt, draft_model=head, max_new_tokens=24, temperature=1.0, tree=tree,
                             generator=torch.Generator().manual_seed(seed))
@@ -185,13 +194,15 @@ GREEDY_TREES = [(2, 2, 1), stree.DynamicTree(), (1, 1, 1, 1)]
 PROMPTS = [[9], [4, 8, 15, 16, 23], [33, 2, 61, 5, 5, 17, 40, 12, 3, 28, 50]]
 
 
-@pytest.mark.parametrize("family", ["bamba", "mamba2", "qwen3_next", "falcon_h1"])
-def test_greedy_with_an_echo_head_is_hfs_greedy(family):
+@pytest.mark.parametrize("family, feature_layers", [("bamba", None), ("mamba2", None), ("qwen3_next", None),
+                                                    ("falcon_h1", None), ("mamba2", (1, 0)), ("bamba", (2,))])
+def test_greedy_with_an_echo_head_is_hfs_greedy(family, feature_layers):
     """stree.generate(target, ids, draft_model=head) greedy equals HF's greedy search token for token, for heads of
     the target's own family (bamba, qwen3_next) and Llama heads (mamba2, falcon_h1: no attention blocks of their
-    own), on a static tree, a dynamic tree and a chain, from prompts of 1 (the head's prefill is empty), 5 and 11
-    tokens. The echo heads' drafts are accepted: a target pass yields more than 1.3 tokens on average."""
-    target, head = echo_pair(family, context=ECHO_CONTEXT)
+    own), reading the last hidden state or other layers' outputs (the last layer's before the final norm), on a
+    static tree, a dynamic tree and a chain, from prompts of 1 (the head's prefill is empty), 5 and 11 tokens. The
+    echo heads' drafts are accepted: a target pass yields more than 1.3 tokens on average."""
+    target, head = echo_pair(family, context=ECHO_CONTEXT, feature_layers=feature_layers)
     per_pass = []
     for prompt in PROMPTS:
         prompt = torch.tensor([prompt])
@@ -370,10 +381,12 @@ def test_a_head_made_for_another_model_is_refused():
         stree.generate(other, torch.tensor([[4, 8, 15]]), draft_model=head, max_new_tokens=4)
 
 
-def test_compiled_head_passes_equal_hfs_greedy():
+@pytest.mark.parametrize("feature_layers", [None, (0, 1)])
+def test_compiled_head_passes_equal_hfs_greedy(feature_layers):
     """compile= runs the head's passes (their features as fixed-shape inputs) and the target's (returning hidden
-    states) through torch.compile: greedy output equals HF's, over rounds of different trunk lengths."""
-    target, head = echo_pair("bamba", context=ECHO_CONTEXT)
+    states, or layers' outputs stored while the pass runs) through torch.compile: greedy output equals HF's, over
+    rounds of different trunk lengths."""
+    target, head = echo_pair("bamba", context=ECHO_CONTEXT, feature_layers=feature_layers)
     ids = torch.tensor([[4, 8, 15, 16]])
     want = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
     out, stats = stree.generate(target, ids, draft_model=head, max_new_tokens=16, tree=(2, 2, 1), return_stats=True,

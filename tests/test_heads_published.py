@@ -155,3 +155,20 @@ def test_mismatched_mtp_weights_are_refused(tmp_path):
     write_checkpoint(tmp_path, target, tensors, sharded=False)
     with pytest.raises(ValueError, match="shapes differ.*fusion.fc.weight"):
         DraftHead.from_pretrained(tmp_path, target=target)
+
+
+def test_bad_feature_layers_are_refused():
+    """new_head's feature_layers: indices of the target's layers, distinct, or "eagle3" for targets of 5+ layers;
+    an inflated head must read the last hidden state (inflation adds layers)."""
+    from stree.heads import new_head
+    from stree.heads.inflate import inflate_head
+    target = tiny_model("bamba", dtype=torch.float64)  # 3 layers
+    for bad in ([], (0, 0), (3,), (-1,), (True,), (0.0,), "eagle3", "last", 1):
+        with pytest.raises(ValueError, match="feature_layers|eagle3"):
+            new_head(target, feature_layers=bad)
+    assert new_head(target, feature_layers=[2, 0]).feature_layers == (2, 0)
+    deep = tiny_model("bamba", dtype=torch.float64, num_hidden_layers=6, attn_layer_indices=[3])
+    head = new_head(deep, feature_layers="eagle3")
+    assert head.feature_layers == (1, 3, 4) and head.feature_size == 3 * deep.config.hidden_size
+    with pytest.raises(ValueError, match="feature_layers"):  # refused before anything is inflated
+        inflate_head(head, deep, hidden_size=64, mamba_heads=8, d_state=32, intermediate_size=128)

@@ -35,29 +35,50 @@ def sequential_step(head, tokens, features, step, t):
     """The head's logits at entry t of unroll step `step`, walked as drafting walks it: the true entries up to the
     root t - step, then `step` levels each fed the level before's output hidden state (DraftHead.forward, causal)."""
     root = t - step
-    ids, feats = tokens[:, :root + 1], features[:, :root + 1]
+    ids, feats, own = tokens[:, :root + 1], features[:, :root + 1], []
     logits, hidden = head(ids, feats)
     for level in range(1, step + 1):
         ids = torch.cat([ids, tokens[:, root + level:root + level + 1]], 1)
-        feats = torch.cat([feats, hidden[:, -1:]], 1)
-        logits, hidden = head(ids, feats)
+        own.append(hidden[:, -1:])
+        logits, hidden = head(ids, feats, torch.cat(own, 1))
     return logits[:, -1]
 
 
-@pytest.mark.parametrize("family, seed", [("bamba", 0), ("qwen3_5", 1), ("mamba2", 2)])
-def test_unrolled_head_equals_sequential_drafting(family, seed):
+@pytest.mark.parametrize("family, seed, feature_layers", [("bamba", 0, None), ("qwen3_5", 1, None),
+                                                          ("mamba2", 2, None), ("qwen3_5", 3, (2, 0, 1))])
+def test_unrolled_head_equals_sequential_drafting(family, seed, feature_layers):
     target = tiny_model(family, dtype=torch.float64, seed=seed)
     torch.manual_seed(seed)
-    head = new_head(target)
+    head = new_head(target, feature_layers=feature_layers)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, 64, (2, 9), generator=g)
-    _, features = target_outputs(target, tokens)
+    _, _, features = target_outputs(target, tokens, head.feature_layers)
     with torch.no_grad():
         logits, _ = unrolled_head(head, tokens[:, 1:], features[:, :-1], steps=3)
         for step in range(3):
             for t in range(step, 8):
                 want = sequential_step(head, tokens[:, 1:], features[:, :-1], step, t)
                 torch.testing.assert_close(logits[step][:, t], want, atol=1e-6, rtol=1e-6)
+
+
+def test_target_features_are_the_named_layers_outputs():
+    """The features of a head reading layers (2, 0) of a 4-layer target, from training's target_outputs and from a
+    TreeModel's prefill and tree pass, are those layers' outputs in that order: HF's hidden_states[3] then [1] (a
+    forward with output_hidden_states; the tree pass's chain of nodes is the prompt's continuation). The reversed
+    order is not (the comparison can fail)."""
+    from stree.models import TreeModel
+    target = tiny_model("nemotron_h", dtype=torch.float64, seed=4)
+    tokens = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        states = target.base_model(tokens, output_hidden_states=True).hidden_states
+    want = torch.cat([states[3], states[1]], -1)
+    _, _, features = target_outputs(target, tokens, (2, 0))
+    torch.testing.assert_close(features, want)
+    assert not torch.allclose(features, torch.cat([states[1], states[3]], -1))
+    tree_model = TreeModel(target, returns_hidden=(2, 0))
+    _, prefilled = tree_model.prefill(tokens[:, :5])
+    _, passed = tree_model.tree_forward(tokens[:, 5:], [[-1, 0, 1, 2]])
+    torch.testing.assert_close(torch.cat([prefilled, passed], 1), want)
 
 
 def test_head_loss_counts_every_step_and_trains_only_the_head():
@@ -88,12 +109,14 @@ def tau(target, head, prompts, new_tokens=32):
     return sum(passes) / len(passes)
 
 
-def test_training_raises_the_heads_acceptance(demo, tmp_path):
+@pytest.mark.parametrize("feature_layers", [None, "eagle3"])
+def test_training_raises_the_heads_acceptance(demo, tmp_path, feature_layers):
     """60 steps of HeadTrainer on standard-library text raise tau on held-out prompts by at least 0.3 over the
-    untrained head (measured: ~1.0 untrained); a checkpoint resumes where it stopped."""
+    untrained head (measured: ~1.0 untrained), for a head reading the last hidden state and one reading three
+    layers (EAGLE-3's choice); the saved head loads back as it was; a checkpoint resumes where it stopped."""
     target, tokenizer, prompts = demo
     torch.manual_seed(0)
-    head = new_head(target)
+    head = new_head(target, feature_layers=feature_layers)
     before = tau(target, head, prompts)
     from stree.distill.data import stdlib_split, tokenize_files
     tokens = tokenize_files(stdlib_split()[0][:40], tokenizer)
@@ -104,9 +127,12 @@ def test_training_raises_the_heads_acceptance(demo, tmp_path):
     after = tau(target, head, prompts)
     assert after > before + 0.3, (before, after)
     loaded = DraftHead.from_pretrained(tmp_path / "final", target=target)
+    assert loaded.feature_layers == head.feature_layers
+    assert loaded.own_state_dict().keys() == head.own_state_dict().keys()
     for mine, theirs in zip(head.own_state_dict().values(), loaded.own_state_dict().values()):
         torch.testing.assert_close(mine, theirs)
-    resumed = HeadTrainer(new_head(target), config, TokenChunks(tokens, 48), target, unroll=2)
+    resumed = HeadTrainer(new_head(target, feature_layers=feature_layers), config, TokenChunks(tokens, 48), target,
+                          unroll=2)
     resumed.resume(tmp_path / "checkpoint-30")
     assert resumed.step == 30
 
@@ -127,8 +153,8 @@ def test_an_inflated_head_drafts_what_the_small_one_drafts(demo):
     big_head = inflate_head(head, big_target, **sizes)
     ids = prompts[0]
     with torch.no_grad():
-        _, small_features = target_outputs(target, ids)
-        _, big_features = target_outputs(big_target, ids)
+        _, small_features, _ = target_outputs(target, ids)
+        _, big_features, _ = target_outputs(big_target, ids)
         small, _ = head(ids[:, 1:], small_features[:, :-1])
         big, _ = big_head(ids[:, 1:], big_features[:, :-1])
     torch.testing.assert_close(big, small, atol=2e-4, rtol=1e-4)

@@ -73,6 +73,17 @@ def _losses(text):
     return losses
 
 
+def parse_feature_layers(text):
+    """--feature-layers: "last" (None), "eagle3", or layer indices separated by commas (a tuple); new_head checks
+    them against the target."""
+    if text in ("last", "eagle3"):
+        return None if text == "last" else text
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be last, eagle3 or layer indices such as 1,3,4, got {text!r}")
+
+
 def _device(text):
     """--device: a torch device string (cpu, cuda, cuda:1, ...)."""
     try:
@@ -261,7 +272,7 @@ def cmd_distill(args):
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
     if args.head_layers:
         from .heads import new_head
-        student = new_head(target, layers=args.head_layers)
+        student = new_head(target, layers=args.head_layers, feature_layers=args.feature_layers)
     else:
         student = student_from_config(target, args.student_config, share_embeddings=args.share_embeddings).to(device)
     token_files = [p for p in args.data if p.endswith((".pt", ".npy"))]
@@ -340,6 +351,9 @@ def build_parser():
     dist.add_argument("--head-layers", type=_positive_int, help="train a draft head of this many attention blocks "
                       "instead (EAGLE-style, on the target's features; --loss is then not used)")
     dist.add_argument("--unroll", type=_positive_int, default=3, help="a head's training-time-test steps")
+    dist.add_argument("--feature-layers", type=parse_feature_layers, default=None, help="what a head reads of the target: "
+                      "last (its last hidden state, default), eagle3 (an early, the middle and a late layer) or "
+                      "layer indices such as 1,3,4")
     dist.add_argument("--data", nargs="+", required=True, help="text files/folders, or .pt/.npy token files")
     dist.add_argument("--tokenizer")
     dist.add_argument("--output", required=True)

@@ -107,8 +107,8 @@ class Generation:
         self.out = Output(input_ids, eos, max_new_tokens, stopping_criteria, streamer)
         self.costs = self.draft = self._claim = None
         self.head = isinstance(draft_model, DraftHead)
-        self.features = None  # a head's: the target's features of the trunk's tokens (1, len(trunk), hidden)
-        self._verified = None  # a head's: the target's hidden states over the last verified tree (1, T, hidden)
+        self.features = None  # a head's: the target's features of the trunk's tokens (1, len(trunk), feature_size)
+        self._verified = None  # a head's: the target's features over the last verified tree (1, T, feature_size)
         if not self.out.done:
             try:
                 self._prefill(model, draft_model, input_ids, compile, draft_on_device, costs)
@@ -139,8 +139,9 @@ class Generation:
         adaptive = getattr(spec, "adaptive", False) and (self.sampler.greedy or self.generator is None)
         target_nodes, draft_nodes, draft_width = tree_shapes(spec, paced=adaptive) if spec else (1, 1, 1)
         max_length = input_ids.shape[1] + self.out.max_new_tokens + draft_nodes
+        features = (draft_model.feature_layers or True) if self.head else False  # what the head reads
         self.target = tree_model(model, compile, target_nodes, target_nodes, pad_single=not adaptive,
-                                 returns_hidden=self.head)
+                                 returns_hidden=features)
         if draft_model is not None:
             self.draft = tree_model(draft_model, compile, draft_nodes, draft_width)
         self._claim = Claim([self.target, self.draft])  # compiled TreeModels are shared by all calls on a model

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..checks import check_float, check_ids, check_int
 from ..models.families import LOGIT_SCALE
+from ..models.hf_forward import capturing_forwards, swapped
 from .losses import forward_kl
 from .trainer import Trainer
 
@@ -30,29 +31,36 @@ def unrolled_visibility(entries, steps, device=None):
 
 
 @torch.no_grad()
-def target_outputs(target, input_ids):
-    """(logits (batch, n, vocab), last hidden states after the final norm (batch, n, H)) of the target."""
-    hidden = target.base_model(input_ids=input_ids).last_hidden_state
+def target_outputs(target, input_ids, feature_layers=None):
+    """(logits (batch, n, vocab), last hidden states after the final norm (batch, n, H), features) of the target:
+    the features a head with these feature_layers reads (the last hidden states when None, else those decoder
+    layers' outputs concatenated, (batch, n, len(feature_layers) * H))."""
+    outputs = {}
+    with swapped(capturing_forwards(target.base_model, feature_layers or (), outputs)):
+        hidden = target.base_model(input_ids=input_ids).last_hidden_state
     logits = target.get_output_embeddings()(hidden)
     scale = LOGIT_SCALE.get(target.config.model_type)
-    return (logits if scale is None else scale(logits, target.config, target.base_model)), hidden
+    features = hidden if feature_layers is None else torch.cat([outputs[i] for i in feature_layers], -1)
+    return (logits if scale is None else scale(logits, target.config, target.base_model)), hidden, features
 
 
 def unrolled_head(model, input_ids, features, steps):
     """The head's outputs over `steps` unroll steps, (logits, hidden) each a list of (batch, m, ...) per step, for
-    tokens input_ids (batch, m) and the target's features (batch, m, H) of step 0. model: the DraftHead (or a DDP
-    wrapping it). The features a step feeds the next are detached (no gradient through the unroll): the steps before
-    the last run without gradients, the last one recomputes them all with (one forward with gradients, as DDP wants)."""
+    tokens input_ids (batch, m) and the target's features (batch, m, feature_size) of step 0. model: the DraftHead
+    (or a DDP wrapping it). The features a step feeds the next are detached (no gradient through the unroll): the
+    steps before the last run without gradients, the last one recomputes them all with (one forward with gradients,
+    as DDP wants)."""
     batch, m = input_ids.shape
     positions = torch.arange(m, device=input_ids.device).repeat(steps).expand(batch, -1)
     allowed = unrolled_visibility(m, steps, input_ids.device)
-    feeds, dtype = [features], features.dtype
+    feeds, dtype = [], features.dtype
     for step in range(steps):
         n = (step + 1) * m
         mask = torch.zeros(n, n, dtype=dtype, device=input_ids.device).masked_fill_(~allowed[:n, :n],
                                                                                     torch.finfo(dtype).min)
         with torch.set_grad_enabled(step + 1 == steps and torch.is_grad_enabled()):
-            logits, hidden = model(input_ids.repeat(1, step + 1), torch.cat(feeds, 1), position_ids=positions[:, :n],
+            own = torch.cat(feeds, 1) if feeds else None
+            logits, hidden = model(input_ids.repeat(1, step + 1), features, own, position_ids=positions[:, :n],
                                    attention_mask=mask.expand(batch, 1, n, n))
         if step + 1 < steps:  # the next step's entry t is fed this step's output at entry t - 1
             last = hidden[:, step * m:].detach()
@@ -63,12 +71,13 @@ def unrolled_head(model, input_ids, features, steps):
 def head_loss(head, target, input_ids, mask=None, steps=3, feature_weight=0.1, decay=0.8, dtype=None):
     """EAGLE-style loss of `head` (a DraftHead, or a DDP wrapping one; dtype: its features' dtype) on sequences
     input_ids (batch, n) (module docstring): over unroll steps s with weight decay**s, forward KL from the target's
-    next-token distribution plus feature_weight times SmoothL1 to the
-    target's next feature, on entries t >= s whose predicted position counts in `mask` (batch, n). Returns (loss,
-    {name: float})."""
-    logits_t, hidden_t = target_outputs(target, input_ids)
+    next-token distribution plus feature_weight times SmoothL1 to the target's next last hidden state (which the
+    head's output stands in for at the next level, whatever features the head reads), on entries t >= s whose
+    predicted position counts in `mask` (batch, n). Returns (loss, {name: float})."""
+    feature_layers = getattr(head, "module", head).feature_layers  # (DDP keeps the head as .module)
+    logits_t, hidden_t, features_t = target_outputs(target, input_ids, feature_layers)
     dtype = dtype or hidden_t.dtype
-    logits_h, hidden_h = unrolled_head(head, input_ids[:, 1:], hidden_t[:, :-1].to(dtype), steps)
+    logits_h, hidden_h = unrolled_head(head, input_ids[:, 1:], features_t[:, :-1].to(dtype), steps)
     m = input_ids.shape[1] - 1
     counts = torch.ones_like(input_ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:].bool()
     total, parts = 0.0, {}

@@ -15,6 +15,8 @@ def inflate_head(head, target, **sizes):
     rounding: head.inner inflated with the same sizes but one layer."""
     if head.config.model_type != "bamba":
         raise ValueError(f"inflate_head takes a head of Bamba blocks, got {head.config.model_type!r}")
+    if head.feature_layers is not None:  # inflation adds layers: which of the new ones the head should read is open
+        raise ValueError("inflate_head takes a head that reads the target's last hidden state, not feature_layers")
     inner = inflate_bamba(head.inner, **{**sizes, "num_layers": head.config.num_hidden_layers})
     fusion = new_fusion(inner)
     H, H2 = head.config.hidden_size, inner.config.hidden_size

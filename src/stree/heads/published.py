@@ -16,18 +16,39 @@ HEAD_CONFIG = "stree_head.json"
 HEAD_WEIGHTS = "head.safetensors"
 
 
-def new_head(target, layers=1):
+def new_head(target, layers=1, feature_layers=None):
     """An untrained EAGLE-style head for `target` (a loaded HF causal LM): `layers` attention blocks of the target's
-    family (heads.layers), a fresh fusion, the target's embedding and LM head, on the target's dtype and device."""
+    family (heads.layers), a fresh fusion, the target's embedding and LM head, on the target's dtype and device.
+    feature_layers: None (the head reads the target's last hidden state, EAGLE-1/2), indices of the target's decoder
+    layers whose outputs it reads, or "eagle3" (EAGLE-3's choice: an early, the middle and a late layer)."""
     check_model(target)  # a supported family (ValueError listing them)
+    feature_layers = checked_feature_layers(feature_layers, target.config.get_text_config().num_hidden_layers)
     inner = head_layers(head_config(target.config, layers), target)
-    return DraftHead(inner, new_fusion(inner), target, kind="eagle")
+    return DraftHead(inner, new_fusion(inner, feature_layers), target, kind="eagle", feature_layers=feature_layers)
+
+
+def checked_feature_layers(feature_layers, count):
+    """None or a tuple of distinct layer indices in [0, count) from new_head's feature_layers (ValueError if not)."""
+    if feature_layers is None:
+        return None
+    if feature_layers == "eagle3":
+        if count < 5:
+            raise ValueError(f"feature_layers='eagle3' takes layers 1, N // 2 and N - 2 of N >= 5 layers; the target "
+                             f"has {count}: name the layers")
+        return 1, count // 2, count - 2
+    layers = tuple(feature_layers) if isinstance(feature_layers, (tuple, list)) else None
+    if (not layers or len(set(layers)) != len(layers)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in layers)):
+        raise ValueError(f"feature_layers must be None, 'eagle3' or distinct layer indices in [0, {count}), got "
+                         f"{feature_layers!r}")
+    return layers
 
 
 def save_head(head, path):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, HEAD_CONFIG), "w") as f:
-        json.dump({"kind": head.kind, "config": head.inner.config.to_dict()}, f, indent=2)
+        json.dump({"kind": head.kind, "feature_layers": head.feature_layers, "config": head.inner.config.to_dict()},
+                  f, indent=2)
     state = {k: v.detach().contiguous() for k, v in head.own_state_dict().items()}
     save_file(state, os.path.join(path, HEAD_WEIGHTS))
 
@@ -50,7 +71,8 @@ def _load_trained(path, target):
         raise ValueError(f"the head in {path} was made for a vocabulary of {config.vocab_size}, the target has "
                          f"{target.config.get_text_config().vocab_size}")
     inner = head_layers(config, target)
-    head = DraftHead(inner, new_fusion(inner), target, kind=saved.get("kind", "eagle"))
+    layers = checked_feature_layers(saved.get("feature_layers"), target.config.get_text_config().num_hidden_layers)
+    head = DraftHead(inner, new_fusion(inner, layers), target, kind=saved.get("kind", "eagle"), feature_layers=layers)
     load_weights(head, path)
     return head
 

@@ -26,7 +26,7 @@ class HeadTreeModel(TreeModel):
         if self.mixers:
             raise ValueError(f"a draft head's layers must be attention, MLP or MoE blocks; "
                              f"{head.inner.config.model_type} layers {sorted(self.mixers)} hold recurrent states")
-        self.fusion, self.feature_size = head.fusion, self.config.hidden_size
+        self.fusion, self.feature_size = head.fusion, head.feature_size
         self.embed = self.base.get_input_embeddings()
         self._outputs = None  # (batch, slots, hidden): each tree node's output hidden state, its children's feature
 
@@ -50,6 +50,8 @@ class HeadTreeModel(TreeModel):
     def _hidden(self, tokens, cache, kwargs, features=None, inputs=None):
         if inputs is not None:  # a tree pass: features from outside first, then the parents' outputs
             features = self._node_features(inputs, features)
+        else:  # the prefill: the target's features only
+            features = self.fusion.reduced(features.to(self.embed.weight.dtype))
         embeds = self.fusion(self.embed(tokens), features.to(self.embed.weight.dtype))
         hidden = self.base(inputs_embeds=embeds, cache=cache, use_cache=True, **kwargs).last_hidden_state
         if inputs is not None:
@@ -57,15 +59,15 @@ class HeadTreeModel(TreeModel):
         return hidden
 
     def _node_features(self, inputs, given):
-        """Features (batch, width, hidden) of a pass's rows: where given = (features (batch, width, hidden), rows
-        (width,) bool) marks a row, its given feature, else its parent's output."""
+        """Features (batch, width, hidden) of a pass's rows: where given = (the target's features (batch, width,
+        feature_size), rows (width,) bool) marks a row, its given feature (reduced), else its parent's output."""
         rows, outputs = inputs["rows"], self._outputs
         parents = inputs["parents"].index_select(1, rows).clamp(min=0)
         features = outputs.gather(1, parents[..., None].expand(-1, -1, outputs.shape[-1]))
         if given is None:
             return features
         values, marked = given
-        return torch.where(marked[None, :, None], values.to(features.dtype), features)
+        return torch.where(marked[None, :, None], self.fusion.reduced(values.to(features.dtype)), features)
 
     def _checked_features(self, features, shape):
         """(features padded to the pass's width, (width,) bool marking the rows they are given for), fixed shapes

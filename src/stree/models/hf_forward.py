@@ -8,9 +8,9 @@ import torch
 
 
 def private_modules(model):
-    """(copy, {module: its copy}, weakly keyed): model's module tree rebuilt from new module objects that share the originals'
-    parameters and buffers (the very dicts that hold them, so `.to()`, `load_state_dict` and optimizer steps reach
-    both) and their hooks. A TreeModel swaps forwards on its copy only: HF's generate, other threads and other
+    """(copy, {module: its copy}, weakly keyed): model's module tree rebuilt from new module objects that share the
+    originals' parameters and buffers (the very dicts that hold them, so `.to()`, `load_state_dict` and optimizer
+    steps reach both) and their hooks. A TreeModel swaps forwards on its copy only: HF's generate, other threads and other
     TreeModels running the same model never see a tree pass's forwards. A module used at several places stays one
     module in the copy. Refuses modules whose forward was replaced on the instance (e.g. accelerate's offloading
     hooks), which would run the original modules instead of the copy's."""
@@ -43,6 +43,26 @@ def swapped(forwards):
     finally:
         for module in forwards:
             del module.__dict__["forward"]
+
+
+def capturing_forwards(base, layers, outputs):
+    """{decoder layer: a forward that also stores its output hidden states (batch, n, hidden) in outputs[i]} for the
+    base model's layers i in `layers`, to be swapped() in: the intermediate features of EAGLE-3-style heads. A layer
+    index must be in range (ValueError)."""
+    if not layers:
+        return {}
+    blocks = base.layers
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(blocks):
+            raise ValueError(f"feature layer {i!r} is not a layer index of a {len(blocks)}-layer model")
+
+    def capture(i, block):
+        def forward(*args, **kwargs):
+            out = type(block).forward(block, *args, **kwargs)
+            outputs[i] = out[0] if isinstance(out, tuple) else out
+            return out
+        return forward
+    return {blocks[i]: capture(i, blocks[i]) for i in layers}
 
 
 def tree_attention_mask(length, rows, tree_mask, batch, capacity, dtype):

@@ -32,7 +32,7 @@ from .compile import compile_options, own_copy, with_recompile_limit
 from .device_growth import DeviceGrowth
 from .families import ATTENTION_FREE, LOGIT_SCALE, check_model, find_mixers
 from .families import MIXER_KINDS, SSM_FAMILIES, SUPPORTED_MODEL_TYPES, TRANSFORMER_FAMILIES  # noqa: F401 (old home)
-from .hf_forward import private_modules, swapped, weights_version
+from .hf_forward import capturing_forwards, private_modules, swapped, weights_version
 from .host_tree import HostTree, to_device
 from .packed import packed_linears
 from .tree_pass import TreePass, TreePassRunner  # noqa: F401 (TreePass: its old import path)
@@ -57,9 +57,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
     def __init__(self, model, *, nodes=16, pass_width=None, returns_hidden=False):
         """nodes: node slots the tree buffers start with (they grow when a tree needs more); pass_width: when set,
         every pass is padded to at least this many new nodes, so that with enough slots no shape changes from
-        pass to pass (what torch.compile needs). returns_hidden: prefill(), tree_forward() and extend() also
-        return the last hidden states (after the final norm) of every position they ran: the features a draft
-        head (stree.heads) drafts from."""
+        pass to pass (what torch.compile needs). returns_hidden: when True, prefill(), tree_forward() and extend()
+        also return the features a draft head (stree.heads) drafts from, at every position they ran: the last hidden
+        states (after the final norm) (..., hidden); when a tuple of decoder layer indices, those layers' outputs
+        concatenated in that order (..., len(layers) * hidden) (EAGLE-3-style heads)."""
         model_type = check_model(model)
         self._source = weakref.ref(model)  # the model: its packed linears are kept for it (packed.py)
         model, self._copy_of = private_modules(model)
@@ -76,7 +77,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self.window_keys = sorted({key for i, m in self.mixers.items() for key in self.kinds[i].window_keys(m)})
         self._tree_forwards = {self.mixers[i]: self._tree_forward_of(i) for i in self.mixers}
         self._linears = {}     # nn.Linear -> its forward on a packed weight (CPU; see packed.py), set by prefill
-        self.nodes, self.pass_width, self.returns_hidden = nodes, pass_width, returns_hidden
+        self.nodes, self.pass_width, self.returns_hidden = nodes, pass_width, bool(returns_hidden)
+        self.feature_layers = tuple(returns_hidden) if isinstance(returns_hidden, (tuple, list)) else None
+        self._layer_outputs = {}  # layer index -> its output in the last pass (feature_layers')
+        self._feature_forwards = capturing_forwards(self.base, self.feature_layers or (), self._layer_outputs)
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = self._static_buffers = False  # static buffers: CUDA graphs replay over fixed addresses
         self._cache = None
@@ -130,9 +134,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         weights = weights_version(self.base, self.head)  # the mixer adapters hold constants derived from them
         if self.device.type == "cpu":
             self._linears = self._packed_linears(weights)
-        with swapped(self._linears):
+        with swapped({**self._linears, **self._feature_forwards}):
             hidden = self._hidden(input_ids, hf_cache, kwargs, features)
             logits = self.logits(hidden[:, -1])
+            features = self._features(hidden)
         capacity = max(max_length or 0, P + DEFAULT_RESERVE)
         if self.pass_width is not None or self._compiled:  # compiled: round the buffers up so that
             # most prompts share them (and the compilation)
@@ -144,7 +149,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             self._cache, self._weights = cache, weights
             self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
         self.tree = None
-        return (logits, hidden) if self.returns_hidden else logits
+        return (logits, features) if self.returns_hidden else logits
 
     def _packed_linears(self, weights):
         """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""

@@ -42,7 +42,7 @@ class TreePassRunner:
     def _call(self, *args):
         """self.run(*args) with the tree mixers and packed linears swapped in; the pass's state cleared after."""
         try:
-            with swapped({**self._linears, **self._tree_forwards}):
+            with swapped({**self._linears, **self._tree_forwards, **self._feature_forwards}):
                 return self.run(*args)
         finally:
             self._cache.end_pass()
@@ -73,7 +73,14 @@ class TreePassRunner:
         self._pass = TreePass(index, rows, levels)
         hidden = self._hidden(tokens, cache, kwargs, features, inputs)
         logits = self.logits(hidden.index_select(1, inputs["head_rows"]))
-        return (logits, hidden) if self.returns_hidden else logits
+        return (logits, self._features(hidden)) if self.returns_hidden else logits
+
+    def _features(self, hidden):
+        """What a pass returns with returns_hidden: the last hidden states `hidden` (batch, R, H), or the outputs of
+        the feature layers, which the pass stored while it ran, concatenated (batch, R, len(feature_layers) * H)."""
+        if self.feature_layers is None:
+            return hidden
+        return torch.cat([self._layer_outputs[i] for i in self.feature_layers], -1)
 
     def _hidden(self, tokens, cache, kwargs, features=None, inputs=None):
         """The base model's last hidden states (batch, R, hidden) over tokens (batch, R) with `cache` (HF's in a
