@@ -3,7 +3,7 @@ import torch
 
 import stree
 from stree.demo import demo_pair
-from stree.models.inflate import inflate_bamba
+from stree.models.inflate import inflate_bamba, inflate_mamba2
 
 
 def test_inflated_target_computes_the_same_function():
@@ -21,8 +21,31 @@ def test_inflated_target_computes_the_same_function():
     assert torch.equal(stree.generate(big, ids, draft_model=draft, max_new_tokens=48), want)
 
 
+def test_inflated_draft_computes_the_same_function():
+    """The bundled draft (Mamba2) inflated x4 in width, x2 in state and to 3 layers gives the same logits, HF's
+    same greedy continuation, and as stree's draft the same trees: the same output and the same tokens per pass."""
+    target, draft, _ = demo_pair(dtype=torch.float64)
+    big = inflate_mamba2(draft, hidden_size=512, d_state=64, num_layers=3)
+    assert big.config.num_heads == 4 * draft.config.num_heads
+    assert sum(p.numel() for p in big.parameters()) > 4 * sum(p.numel() for p in draft.parameters())
+    ids = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(big(ids).logits, draft(ids).logits, rtol=0, atol=1e-5)
+    want = draft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    assert torch.equal(big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False),
+                       want)
+    runs = [stree.generate(target, ids, draft_model=d, max_new_tokens=32, tree=(3, 2, 1), return_stats=True)
+            for d in (draft, big)]
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].tokens_per_pass == runs[1][1].tokens_per_pass
+
+
 def test_inflate_refuses_shapes_it_cannot_preserve():
-    target, _, _ = demo_pair()
+    target, draft, _ = demo_pair()
+    with pytest.raises(ValueError, match="whole heads"):
+        inflate_mamba2(draft, hidden_size=144, d_state=32, num_layers=1)  # 4.5 heads of 64
+    with pytest.raises(ValueError, match="only grows"):
+        inflate_mamba2(draft, hidden_size=256, d_state=16, num_layers=1)
+    with pytest.raises(ValueError, match="mamba2"):
+        inflate_mamba2(target, hidden_size=512, d_state=64, num_layers=6)
     with pytest.raises(ValueError, match="same factor"):
         inflate_bamba(target, hidden_size=512, mamba_heads=12, d_state=32, intermediate_size=512, num_layers=6)
     with pytest.raises(ValueError, match="only grows"):

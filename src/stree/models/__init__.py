@@ -10,11 +10,11 @@ if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release
                       f"pip install 'transformers>={MIN_TRANSFORMERS}'")
 
 from .cache import StateCache
-from .inflate import inflate_bamba
+from .inflate import inflate_bamba, inflate_mamba2
 from .packed import drop_packed_linears
 from .tiny import TINY_CONFIGS, tiny_model
 from .families import SUPPORTED_MODEL_TYPES
 from .tree_model import TreeModel
 
 __all__ = ["TreeModel", "StateCache", "SUPPORTED_MODEL_TYPES", "tiny_model", "TINY_CONFIGS", "inflate_bamba",
-           "drop_packed_linears"]
+           "inflate_mamba2", "drop_packed_linears"]

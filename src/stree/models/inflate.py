@@ -1,4 +1,4 @@
-"""A Bamba model inflated to a larger shape that computes exactly the same function: a realistic-size target for
+"""A Bamba or Mamba2 model inflated to a larger shape that computes exactly the same function: a realistic-size target for
 benchmarks (weights that no longer fit in a CPU cache; a weight-bandwidth-bound decode step) without a download.
 
 Every old weight sits in the corner of its new matrix and everything new is zero, so the new hidden channels,
@@ -43,14 +43,45 @@ def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size
     config = transformers.BambaConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
     config._attn_implementation = old._attn_implementation
     big = transformers.BambaForCausalLM(config).to(model.dtype).eval()
-    small = dict(model.named_parameters())
-    I, N = old.mamba_n_heads * old.mamba_d_head, old.mamba_d_state
-    I2, N2 = mamba_heads * old.mamba_d_head, d_state
-    # in_proj rows: [gate I | x I | B N | C N | dt heads]; conv channels: [x I | B N | C N].
+    _copy_into(big, model, (old.mamba_n_heads * old.mamba_d_head, old.mamba_d_state, old.mamba_n_heads),
+               (mamba_heads * old.mamba_d_head, d_state), factor, ("layernorm.weight", "mamba.norm.weight"))
+    return big
+
+
+def inflate_mamba2(model, *, hidden_size, d_state, num_layers):
+    """A new Mamba2ForCausalLM whose logits equal `model`'s (up to float rounding): hidden_size, and with it the
+    mixer's width and heads (expand and head_dim kept), the state size and the layers grown. Needs n_groups = 1.
+    Returns the model in eval mode, in `model`'s dtype."""
+    old = model.config
+    if old.model_type != "mamba2":
+        raise ValueError(f"inflate_mamba2 takes a mamba2 model, got {old.model_type!r}")
+    factor = hidden_size / old.hidden_size
+    heads = old.num_heads * factor
+    if old.n_groups != 1 or heads != int(heads) or int(heads) * old.head_dim != int(old.expand * hidden_size):
+        raise ValueError(f"hidden_size must grow by a factor that keeps whole heads (x{factor}: {heads} heads of "
+                         f"{old.head_dim}), with n_groups = 1 (got {old.n_groups})")
+    if factor < 1 or d_state < old.state_size or num_layers < old.num_hidden_layers:
+        raise ValueError("inflate_mamba2 only grows sizes")
+    config = {k: v for k, v in old.to_dict().items() if not k.startswith("_")}
+    config.update(hidden_size=hidden_size, num_heads=int(heads), state_size=d_state, num_hidden_layers=num_layers,
+                  layer_norm_epsilon=old.layer_norm_epsilon / factor)
+    config = transformers.Mamba2Config(**config)
+    big = transformers.Mamba2ForCausalLM(config).to(model.dtype).eval()
+    _copy_into(big, model, (old.num_heads * old.head_dim, old.state_size, old.num_heads),
+               (int(heads) * old.head_dim, d_state), factor, ("norm.weight", "norm_f.weight"))
+    return big
+
+
+def _copy_into(big, model, mixer, big_mixer, factor, norms):
+    """Every parameter of `model` into the corner of `big`'s of the same name, the rest of `big` zeroed. mixer:
+    (width I, state N, heads) of model's Mamba2 mixers, big_mixer: (I2, N2) of big's: in_proj rows are
+    [gate I | x I | B N | C N | dt heads] and conv channels [x I | B N | C N], each segment moved to its new
+    offset. Parameters whose names end with one of `norms` are RMS norm weights, scaled by 1 / sqrt(factor)."""
+    (I, N, heads), (I2, N2) = mixer, big_mixer
     proj_segments = ((0, 0, I), (I2, I, I), (2 * I2, 2 * I, N), (2 * I2 + N2, 2 * I + N, N),
-                     (2 * I2 + 2 * N2, 2 * I + 2 * N, old.mamba_n_heads))
+                     (2 * I2 + 2 * N2, 2 * I + 2 * N, heads))
     conv_segments = ((0, 0, I), (I2, I, N), (I2 + N2, I + N, N))
-    norm_scale = 1 / math.sqrt(factor)
+    small = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in big.named_parameters():
             p.zero_()
@@ -61,11 +92,10 @@ def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size
                 _segments(p, w, proj_segments)
             elif name.endswith(("conv1d.weight", "conv1d.bias")):
                 _segments(p, w, conv_segments)
-            elif name.endswith(("layernorm.weight", "mamba.norm.weight")):
-                p[:w.shape[0]] = w * norm_scale
+            elif name.endswith(norms):
+                p[:w.shape[0]] = w / math.sqrt(factor)
             else:
                 p[tuple(slice(0, s) for s in w.shape)] = w
-    return big
 
 
 def _segments(new, old, segments):
