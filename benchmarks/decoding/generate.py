@@ -11,6 +11,7 @@ Prints the device, CPU flags and models, then the tables; writes JSON and a PNG 
 
     python -m benchmarks.decoding.generate                                    # bundled pair, float32
     python -m benchmarks.decoding.generate --dtypes float32 bfloat16 --large  # both regimes, both dtypes
+    python -m benchmarks.decoding.generate --dtypes bfloat16 --large --large-draft  # 0.9B with a 60M draft
     python -m benchmarks.decoding.generate --compile          # torch.compile'd passes (warm-up reported)
     python -m benchmarks.decoding.generate --both-drafting    # greedy trees drafted on host and device
     python -m benchmarks.decoding.generate --profile 25       # + where each method's host time goes
@@ -31,7 +32,7 @@ from stree.demo import demo_head, demo_pair, held_out_prompts
 from stree.heads import DraftHead
 from stree.heads.inflate import inflate_head
 from stree.drafting import grows_on_device
-from stree.models import TreeModel, inflate_bamba, tiny_model
+from stree.models import TreeModel, inflate_bamba, inflate_mamba2, tiny_model
 from stree.shapes import parse_tree, tree_name
 
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
@@ -74,6 +75,9 @@ def tree_arg(text):
     return parse_tree(OLD_LABELS.get(text, text))
 # The bundled target inflated to a realistic size (0.93B parameters, same outputs): --large.
 LARGE = dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192, num_layers=12)
+# With --large-draft, the bundled draft inflated likewise (60M parameters, ~6% of the 0.9B target's: a realistic
+# draft's share of the cost; same drafts).
+LARGE_DRAFT = dict(hidden_size=1024, d_state=128, num_layers=8)
 
 
 def load(name, dtype, device):
@@ -204,6 +208,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--large", action="store_true", help="also the demo target inflated to 0.9B parameters")
     parser.add_argument("--large-new-tokens", type=int, default=24)
+    parser.add_argument("--large-draft", action="store_true",
+                        help="with --large, draft the 0.9B target with the bundled draft inflated to 60M parameters "
+                        "(same drafts, a realistic cost) instead of the 1.2M one")
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--both-drafting", action="store_true",
                         help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
@@ -228,6 +235,7 @@ def default_name(args):
     """The JSON's file name from what the run measures, e.g. generate-demo-target-large-bf16-t1.json."""
     parts = ["generate-overhead" if args.overhead_only else "generate", os.path.basename(args.target.rstrip("/"))]
     parts += ["large"] if args.large and not args.overhead_only else []
+    parts += ["draft60m"] if args.large and args.large_draft and not args.overhead_only else []
     parts += [SHORT_DTYPES[d] for d in args.dtypes]
     if not args.overhead_only and args.temperatures != [0.0, 1.0]:
         parts.append("t" + "-".join(f"{t:g}" for t in args.temperatures))
@@ -272,13 +280,15 @@ def measure(args, device, result, save):
         dtype = getattr(torch, dtype_name)
         target = load(args.target, dtype, device)
         head = load_head(args, target)
-        targets = [(args.target, target, args.max_new_tokens, head)]
+        draft = load(args.draft, dtype, device)
+        targets = [(args.target, target, args.max_new_tokens, head, draft)]
         if args.large:
             large = inflate_bamba(target, **LARGE).to(device)
             sizes = {k: v for k, v in LARGE.items() if k != "num_layers"}
+            large_draft = inflate_mamba2(draft, **LARGE_DRAFT).to(device) if args.large_draft else draft
             targets.append((f"{args.target} inflated to 0.9B", large, args.large_new_tokens,
-                            head and inflate_head(head, large, **sizes)))
-        for label, model, new_tokens, model_head in targets:
+                            head and inflate_head(head, large, **sizes), large_draft))
+        for label, model, new_tokens, model_head, draft in targets:
             params = sum(p.numel() for p in model.parameters())
             overhead = tree_overhead(model, device, sizes=args.overhead_sizes, compile=args.compile)
             print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
@@ -286,13 +296,14 @@ def measure(args, device, result, save):
             save()
             if args.overhead_only:
                 continue
-            draft = load(args.draft, dtype, device)
             model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
             prompts, source = prompts_for(args, model, device)
             for temperature in args.temperatures:
                 head_size = "" if model_head is None else \
                     f" (head: {sum(p.numel() for p in model_head.own_parameters()) / 1e6:.1f}M + the target's LM head)"
-                print(f"\n{label}, draft {args.draft}{head_size}, {dtype_name}, temperature {temperature}: "
+                draft_params = sum(p.numel() for p in draft.parameters())
+                print(f"\n{label}, draft {args.draft} ({draft_params / 1e6:.1f}M){head_size}, {dtype_name}, "
+                      f"temperature {temperature}: "
                       f"{args.prompts} x "
                       f"{args.prompt_len}-token prompts of {source}, {new_tokens} new tokens, {args.repeats} repeats")
                 rows = compare(model, draft, prompts, trees_for(args, temperature, device, model_head),
@@ -302,7 +313,8 @@ def measure(args, device, result, save):
                 print(format_rows(rows))
                 if args.profile:
                     print(format_profile(rows))
-                result["tables"].append(dict(target=label, params=params, dtype=dtype_name, temperature=temperature,
+                result["tables"].append(dict(target=label, params=params, draft_params=draft_params, dtype=dtype_name,
+                                             temperature=temperature,
                                              new_tokens=new_tokens, prompts=args.prompts, rows=rows))
                 save()
 

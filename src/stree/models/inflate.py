@@ -1,5 +1,6 @@
-"""A Bamba or Mamba2 model inflated to a larger shape that computes exactly the same function: a realistic-size target for
-benchmarks (weights that no longer fit in a CPU cache; a weight-bandwidth-bound decode step) without a download.
+"""A Bamba or Mamba2 model inflated to a larger shape that computes exactly the same function: a realistic-size
+target or draft for benchmarks (weights that no longer fit in a CPU cache; a weight-bandwidth-bound decode step)
+without a download.
 
 Every old weight sits in the corner of its new matrix and everything new is zero, so the new hidden channels,
 heads, state dimensions, MLP units and layers carry zeros: extra layers add nothing to the residual stream, extra
