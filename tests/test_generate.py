@@ -415,8 +415,8 @@ def test_fixed_shape_compiled_passes_equal_hf(monkeypatch):
         assert torch.equal(out, hf_greedy(target, prompt, 24))
         if prompt.shape[1] == 5:
             frames = counts["stats"]["unique_graphs"]
-    # Per model (target, draft): a graph at its first node count and one with the count dynamic once it changes,
-    # with and without a commit to run first (a first pass after a prefill has none, nor do extend passes).
+    # Per model (target, draft): a graph with the node count dynamic (a first one-node pass specialises on it), with
+    # and without a commit to run first (a first pass after a prefill has none, nor do extend passes).
     assert 4 <= frames <= 8
     assert counts["stats"]["unique_graphs"] == frames  # the second prompt compiled nothing new
     from stree.adaptive import PassTimes
@@ -433,6 +433,68 @@ def test_fixed_shape_compiled_passes_equal_hf(monkeypatch):
                                      compile=compile, generator=torch.Generator().manual_seed(0))
                       for compile in (options, False))
     assert torch.equal(sampled, eager)
+
+
+@pytest.mark.parametrize("temperature, seeded", [(0.0, False), (1.0, True), (1.0, False)])
+def test_calls_after_warmup_compile_nothing(temperature, seeded):
+    """After stree.warmup with a setting (greedy adaptive, seeded sampling on fixed trees, sampling on adaptive
+    trees), generate calls with that setting on prompts of other lengths and contents compile no new graph (dynamo's
+    count of unique graphs is unchanged), because the passes' varying sizes are dynamic from their first
+    compilation; and their output is still HF's (greedy). (Before that, a seeded call after the first recompiled
+    its passes when the pass tensor first changed size.)"""
+    import torch._dynamo
+    target = without_eos(tiny_model("bamba", dtype=torch.float32, seed=2))
+    draft = noisy_copy(target, 0.05, 1)
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    options = dict(compile={"backend": "eager"}, temperature=temperature)
+    seconds = stree.warmup(target, draft, prompt_lengths=(6,), max_new_tokens=24,
+                           **options, **({"generator": torch.Generator().manual_seed(0)} if seeded else {}))
+    assert len(seconds) == 1 and seconds[0] > 0
+    graphs = counts["stats"]["unique_graphs"]
+    assert graphs >= 2
+    for n, prompt in enumerate(prompts([9, 3, 14], seed=5)):
+        generator = torch.Generator().manual_seed(n + 1) if seeded else None
+        out = stree.generate(target, prompt, draft_model=draft, max_new_tokens=24, generator=generator, **options)
+        if temperature == 0:
+            assert torch.equal(out, hf_greedy(target, prompt, 24))
+    assert counts["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_passes_are_dynamic_in_their_node_count_from_the_first():
+    """A compiled TreeModel without a fixed pass width compiles each pass variant (with and without a pending commit)
+    once, with the node count dynamic from its first compilation: passes of 3, then 5 and 2 nodes compile two graphs
+    in all, and the logits equal the eager TreeModel's. (Specialised on its first size, each variant compiled again
+    when the size first changed: mid-way through some later call.)"""
+    import torch._dynamo
+    from stree.models import TreeModel
+    target = tiny_model("bamba", dtype=torch.float32, seed=3)
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()  # reset() leaves the counters of earlier tests
+    compiled = TreeModel(target, nodes=16).compile(backend="eager")
+    eager = TreeModel(target, nodes=16)
+    prompt = prompts([6], seed=6)[0]
+    graphs = None
+    for n, width in enumerate((3, 3, 5, 5, 2, 2)):
+        tokens = torch.randint(0, 64, (1, width), generator=torch.Generator().manual_seed(n))
+        parents = [[-1] + list(range(width - 1))]
+        if n % 2 == 0:  # the first pass after a prefill has no commit to run
+            outs = [m.prefill(prompt) for m in (compiled, eager)]
+        outs = [m.tree_forward(tokens, parents) for m in (compiled, eager)]
+        torch.testing.assert_close(outs[0], outs[1])
+        for m in (compiled, eager):
+            m.commit([width - 1])
+        graphs = counts["stats"]["unique_graphs"] if n == 1 else graphs
+    assert graphs == 2 and counts["stats"]["unique_graphs"] == graphs
+
+
+def test_warmup_checks_its_prompt_lengths():
+    target = tiny_model("bamba", dtype=torch.float32, seed=2)
+    for bad in ((), (0,), (3.0,), (True,)):
+        with pytest.raises(ValueError, match="prompt_lengths"):
+            stree.warmup(target, prompt_lengths=bad)
 
 
 def test_inductor_compiled_passes_equal_hf():

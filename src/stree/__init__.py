@@ -13,15 +13,16 @@ if TYPE_CHECKING:  # the names _LAZY loads on first use, spelled out for type ch
     from .draft import BeamTree, DynamicTree, StaticTree
     from .dropin import disable, enable
     from .models import TreeModel
+    from .warm_up import warmup
 
 __version__ = "0.1.0"
 __all__ = ["TokenTree", "TokenTreeBatch", "random_parents", "static_parents", "generate", "GenerationStats",
            "TreeModel", "StaticTree", "DynamicTree", "BeamTree", "enable", "disable", "demo_pair", "demo_head",
-           "DraftHead"]
+           "DraftHead", "warmup"]
 
 _LAZY = {"generate": ".decoding", "GenerationStats": ".stats", "TreeModel": ".models", "StaticTree": ".shapes",
          "DynamicTree": ".shapes", "BeamTree": ".shapes", "enable": ".dropin", "disable": ".dropin",
-         "demo_pair": ".demo", "demo_head": ".demo", "DraftHead": ".heads"}
+         "demo_pair": ".demo", "demo_head": ".demo", "DraftHead": ".heads", "warmup": ".warm_up"}
 
 
 def __getattr__(name):

@@ -62,18 +62,25 @@ def own_copy(method):
     return types.MethodType(copy, method.__self__)
 
 
-def with_recompile_limit(compiled):
-    """`compiled` called with dynamo's recompilation limit at least RECOMPILE_LIMIT, restored after the call (dynamo
-    applies it when a call compiles; a context manager of dynamo's config costs ~50 us a call, this ~10)."""
-    config = torch._dynamo.config
+# A pass's sizes that vary from pass to pass when passes are not padded to a fixed width (TreeModel.compile): its
+# one input tensor, the node and LM-head row counts of its layout, and a draft head's features and their row mask.
+PASS_SIZES = "L['flat'],L['layout'].width,L['layout'].head_rows,L['features'][0],L['features'][1]"
+
+
+def with_recompile_limit(compiled, dynamic_sources=""):
+    """`compiled` called with dynamo's recompilation limit at least RECOMPILE_LIMIT, and with `dynamic_sources`
+    (torch.compiler.config's: sizes compiled as dynamic from the first compilation, instead of specialised once and
+    recompiled when they first change), both restored after the call (dynamo applies them when a call compiles; a
+    context manager of dynamo's config costs ~50 us a call, this ~10)."""
+    config, compiler = torch._dynamo.config, torch.compiler.config
 
     def call(*args):
-        limit = config.recompile_limit
-        config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        limit, sources = config.recompile_limit, compiler.dynamic_sources
+        config.recompile_limit, compiler.dynamic_sources = max(limit, RECOMPILE_LIMIT), dynamic_sources
         try:
             return compiled(*args)
         finally:
-            config.recompile_limit = limit
+            config.recompile_limit, compiler.dynamic_sources = limit, sources
     return call
 
 

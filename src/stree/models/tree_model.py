@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from ..checks import check_token_ids, vocab_size
 from .cache import StateCache
-from .compile import compile_options, own_copy, with_recompile_limit
+from .compile import PASS_SIZES, compile_options, own_copy, with_recompile_limit
 from .device_growth import DeviceGrowth
 from .families import ATTENTION_FREE, LOGIT_SCALE, check_model, find_mixers
 from .families import MIXER_KINDS, SSM_FAMILIES, SUPPORTED_MODEL_TYPES, TRANSFORMER_FAMILIES  # noqa: F401 (old home)
@@ -175,7 +175,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         options.setdefault("dynamic", False if self.pass_width is not None else None)
         if self.pass_width is None and self.nodes > 1 and pad_single:
             self._min_rows = 2
-        self.run = with_recompile_limit(torch.compile(own_copy(self._run), **compile_options(options, cuda)))
+        self.run = with_recompile_limit(torch.compile(own_copy(self._run), **compile_options(options, cuda)),
+                                        PASS_SIZES if self.pass_width is None else "")
         self._compiled = True
         return self
 
