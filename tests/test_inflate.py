@@ -6,6 +6,19 @@ from stree.demo import demo_pair
 from stree.models.inflate import inflate_bamba, inflate_mamba2
 
 
+def hf_greedy(model, ids, new_tokens):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+
+
+def assert_same_function(big, small, ids, new_tokens):
+    """big's logits equal small's over ids and HF's greedy continuation of ids is the same; returns that continuation.
+    (HF's chunked prefill accumulates in float32 whatever the model dtype: equal up to that rounding.)"""
+    torch.testing.assert_close(big(ids).logits, small(ids).logits, rtol=0, atol=1e-5)
+    want = hf_greedy(small, ids, new_tokens)
+    assert torch.equal(hf_greedy(big, ids, new_tokens), want)
+    return want
+
+
 def test_inflated_target_computes_the_same_function():
     """The bundled target inflated x1.5 (hidden, mixer heads, state, MLP, layers) gives the same logits and the same
     greedy continuation as the original, under HF's own generate and under stree's tree decoding."""
@@ -13,11 +26,7 @@ def test_inflated_target_computes_the_same_function():
     big = inflate_bamba(target, hidden_size=384, mamba_heads=12, d_state=48, intermediate_size=640, num_layers=8)
     assert sum(p.numel() for p in big.parameters()) > 1.5 * sum(p.numel() for p in target.parameters())
     ids = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(0))
-    # HF's chunked prefill accumulates in float32 whatever the model dtype: equal up to that rounding.
-    torch.testing.assert_close(big(ids).logits, target(ids).logits, rtol=0, atol=1e-5)
-    want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
-    assert torch.equal(big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False),
-                       want)
+    want = assert_same_function(big, target, ids, 48)
     assert torch.equal(stree.generate(big, ids, draft_model=draft, max_new_tokens=48), want)
 
 
@@ -29,10 +38,7 @@ def test_inflated_draft_computes_the_same_function():
     assert big.config.num_heads == 4 * draft.config.num_heads
     assert sum(p.numel() for p in big.parameters()) > 4 * sum(p.numel() for p in draft.parameters())
     ids = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(big(ids).logits, draft(ids).logits, rtol=0, atol=1e-5)
-    want = draft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
-    assert torch.equal(big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False),
-                       want)
+    assert_same_function(big, draft, ids, 32)
     runs = [stree.generate(target, ids, draft_model=d, max_new_tokens=32, tree=(3, 2, 1), return_stats=True)
             for d in (draft, big)]
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1].tokens_per_pass == runs[1][1].tokens_per_pass

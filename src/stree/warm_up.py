@@ -18,7 +18,9 @@ from .decoding import generate
 def warmup(model, draft_model=None, *, prompt_lengths=(32, 20), max_new_tokens=64, seed=0, **options):
     """Run stree.generate(model, prompt, draft_model=draft_model, max_new_tokens=max_new_tokens, **options) on
     random prompts of each of `prompt_lengths` (token ids drawn with `seed`; the outputs are dropped). options: any
-    of generate's (compile, tree, temperature, top_k, top_p, draft_on_device, ...): those the real calls will use.
+    of generate's (compile, tree, temperature, top_k, top_p, generator, draft_on_device, ...): those the real calls
+    will use (with a seeded generator sampled trees keep a fixed shape, without one they are adaptive: other
+    passes, other compilations).
     Returns the seconds each call took (the first pays the compilation and the calibration, the later ones show
     the steady cost)."""
     if not prompt_lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in prompt_lengths):
