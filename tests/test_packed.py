@@ -112,7 +112,8 @@ def test_compiled_passes_call_the_packed_operator_and_equal_sequential_decoding(
     tm.prefill(prompt)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     op = torch.ops.stree.packed_linear
-    for size, compilations in ((7, 1), (5, 2), (3, 2), (8, 2)):  # the second compiles with a dynamic node count
+    # one compilation: the node count is dynamic from the first (models.compile.PASS_SIZES), so no size recompiles
+    for size, compilations in ((7, 1), (5, 1), (3, 1), (8, 1)):
         tokens, parents = random_tree(size, seed=size)
         logits = tm.tree_forward([tokens], [parents])[0]
         assert len(graphs) == compilations
