@@ -12,6 +12,7 @@ pass first says where the new keys go (`begin_pass`); attention always sees the 
 the sequence length. A StateCache is taken from an HF cache through stree.models.hf_cache.layer_states, the one
 reader of HF cache internals.
 """
+import numpy as np
 import torch
 
 from .hf_cache import layer_states
@@ -35,12 +36,17 @@ class StateGroup:
 
 
 class StateCache:
-    """The per-row decoding state of one model. `length` tokens are committed (the same count on every row)."""
+    """The per-row decoding state of one model. Row b has committed `lengths[b]` tokens; its K/V sit at positions
+    [0, lengths[b]) of its row of the attention buffers. `length` = max(lengths), the frontier: a pass writes its
+    nodes' K/V at the same positions on every row, from the frontier on (positions between a shorter row's length and
+    the frontier are masked out for it)."""
 
     def __init__(self, groups, keys, values, length):
+        """length: an int (every row's) or (batch,) per-row counts."""
         self.groups = groups
         self.keys, self.values = keys, values
-        self.length = length
+        self.lengths = np.zeros(self.batch, dtype=np.int64)
+        self.lengths[:] = length
         self.conv, self.recurrent = {}, {}  # layer -> its views (eager passes use them, see states())
         self._slice_of = {}
         for group in groups:
@@ -54,6 +60,15 @@ class StateCache:
         for t in (*self.keys.values(), *(g.conv for g in self.groups)):
             return t.shape[0]
         return 0
+
+    @property
+    def length(self):
+        """The frontier: the most tokens any row has committed."""
+        return int(self.lengths.max(initial=0))
+
+    @length.setter
+    def length(self, value):
+        self.lengths[:] = value
 
     @property
     def capacity(self):
@@ -105,7 +120,7 @@ class StateCache:
         for store, theirs in ((self.keys, other.keys), (self.values, other.values)):
             for i, t in store.items():
                 t.copy_(theirs[i])
-        self.length = other.length
+        self.lengths = other.lengths.copy()
         return True
 
     def reserve(self, positions):
@@ -158,7 +173,19 @@ class StateCache:
                              None if g.recurrent is None else g.recurrent.index_select(0, rows)) for g in self.groups]
         keys = {i: t.index_select(0, rows) for i, t in self.keys.items()}
         values = {i: t.index_select(0, rows) for i, t in self.values.items()}
-        return StateCache(groups, keys, values, self.length)
+        return StateCache(groups, keys, values, self.lengths[rows.cpu().numpy()])
+
+    @classmethod
+    def concat(cls, caches, capacity):
+        """One StateCache holding the rows of `caches` in order (equal layouts; attention buffers of `capacity`
+        positions, at least each one's committed lengths), each row keeping its own length."""
+        first = caches[0]
+        groups = [StateGroup(g.layers, torch.cat([c.groups[k].conv for c in caches]),
+                             None if g.recurrent is None else torch.cat([c.groups[k].recurrent for c in caches]))
+                  for k, g in enumerate(first.groups)]
+        keys = {i: torch.cat([_buffer(c.keys[i][:, :, :c.length], capacity) for c in caches]) for i in first.keys}
+        values = {i: torch.cat([_buffer(c.values[i][:, :, :c.length], capacity) for c in caches]) for i in first.keys}
+        return cls(groups, keys, values, np.concatenate([c.lengths for c in caches]))
 
     def nbytes(self, positions=None):
         """Bytes of state per row: every recurrent state, plus `positions` (default: length) attention positions."""

@@ -55,7 +55,7 @@ class DeviceGrowth:
                 raise ValueError(f"{start + width} node slots needed, the tree holds {tree.capacity}: pass slots= to "
                                  "tree_forward()")
             layout = PassLayout(cache.batch, width, len(head_rows), 0, tree.capacity, tree.window_keys)
-            headers.append(HostTree.header(layout, start, cache.length, np.full((cache.batch, R), depth),
+            headers.append(HostTree.header(layout, start, cache.lengths, np.full((cache.batch, R), depth),
                                            head_rows=head_rows))
             layouts.append(layout)
             # no new node is another's ancestor

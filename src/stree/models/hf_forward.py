@@ -65,14 +65,15 @@ def capturing_forwards(base, layers, outputs):
     return {blocks[i]: capture(i, blocks[i]) for i in layers}
 
 
-def tree_attention_mask(length, rows, tree_mask, batch, capacity, dtype):
-    """The additive 4D mask (batch, 1, R, capacity) of a pass over node slots `rows` (R,): position p is visible
-    to row r if p < length (committed) or p = length + k with k an ancestor of r (tree_mask (batch, slots, slots)
-    bool, the tree's ancestor mask; node slots sit after the committed positions)."""
+def tree_attention_mask(lengths, length, rows, tree_mask, capacity, dtype):
+    """The additive 4D mask (batch, 1, R, capacity) of a pass over node slots `rows` (R,): on row b, position p is
+    visible to node r if p < lengths[b] (committed on that row) or p = length + k with k an ancestor of r
+    (tree_mask (batch, slots, slots) bool, the tree's ancestor mask; node slots sit after the frontier `length` =
+    max(lengths))."""
     device = rows.device
-    width, slots = rows.shape[0], tree_mask.shape[1]
+    batch, width, slots = lengths.shape[0], rows.shape[0], tree_mask.shape[1]
     positions = torch.arange(capacity, device=device)
-    allowed = (positions < length).expand(batch, width, -1).clone()
+    allowed = (positions < lengths[:, None, None]).expand(batch, width, -1).clone()
     tree_cols = (length + torch.arange(slots, device=device)).expand(batch, width, -1)
     allowed.scatter_(2, tree_cols, tree_mask.index_select(1, rows))
     return torch.zeros(batch, 1, width, capacity, dtype=dtype, device=device).masked_fill_(

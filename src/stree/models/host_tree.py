@@ -34,7 +34,7 @@ def _header_fields(layout):
     """[(name, shape)] of the header of pass_inputs' tensor (what a pass needs besides the tree's structure)."""
     batch, width = layout.batch, layout.width
     return [("rows", (width,)), ("positions", (batch, width)), ("tokens", (batch, width)),
-            ("head_rows", (layout.head_rows,)), ("length", ()), ("extra", (layout.extra,))]
+            ("head_rows", (layout.head_rows,)), ("lengths", (batch,)), ("length", ()), ("extra", (layout.extra,))]
 
 
 def _fields(layout):
@@ -173,15 +173,16 @@ class HostTree:
         if capacity > self.capacity:
             self._alloc(capacity)
 
-    def pass_inputs(self, start, width, length, device, tokens=None, head_rows=(), extra=()):
+    def pass_inputs(self, start, width, lengths, device, tokens=None, head_rows=(), extra=()):
         """What a pass over nodes start .. start+width-1 needs, over all `capacity` slots (fixed shapes: slots past
         the tree are nobody's ancestors), as (flat, layout): one int64 tensor on `device`, copied in one transfer,
         and the PassLayout that unpack() reads it with. A compiled pass takes `flat` and unpacks it itself: there
         the views cost nothing, and one input tensor is one guard and no aliased inputs. Holds:
 
-            rows (width,) node ids; positions (batch, width) = length + depth (padding rows: length);
+            rows (width,) node ids; positions (batch, width) = lengths + depth (padding rows: lengths);
             tokens (batch, width): the new nodes' tokens ((batch, R) ints, R <= width), zero-padded;
-            head_rows (K,): the `head_rows` given (the rows the LM head runs on); length () = committed tokens;
+            head_rows (K,): the `head_rows` given (the rows the LM head runs on); lengths (batch,): each row's
+            committed tokens (`lengths`, an int or (batch,) ints); length (): their maximum, where node slots start;
             extra (E,): the `extra` ints given (a commit's nodes and K/V moves);
             parents (batch, capacity); mask (batch, capacity, capacity) bool;
             windows {(width, state_len): (batch, capacity, width)}.
@@ -190,12 +191,12 @@ class HostTree:
             raise ValueError(f"{start + width} node slots needed, the tree holds {self.capacity}")
         real = max(0, min(self.n - start, width))
         layout = PassLayout(self.batch, width, len(head_rows), len(extra), self.capacity, self.window_keys)
-        header = self.header(layout, start, length, self._depth[:, start:start + real], tokens, head_rows, extra)
+        header = self.header(layout, start, lengths, self._depth[:, start:start + real], tokens, head_rows, extra)
         # a fresh array (so what the device sees never changes with the tree), one transfer
         return to_device(np.concatenate([header, self._packed]), device), layout
 
     @staticmethod
-    def header(layout, start, length, depth, tokens=None, head_rows=(), extra=()):
+    def header(layout, start, lengths, depth, tokens=None, head_rows=(), extra=()):
         """The header of pass_inputs' tensor (a numpy int64 array) for a pass over slots start .. start+width-1
         whose first R rows are real nodes at depths `depth` (batch, R) and tokens `tokens` (batch, R) (None:
         zeros); the rest as pass_inputs says."""
@@ -203,13 +204,14 @@ class HostTree:
         host = np.zeros(_size(fields), dtype=np.int64)
         views = _split(host, fields)
         views["rows"][:] = np.arange(start, start + layout.width)
-        views["positions"][:] = length
+        views["lengths"][:] = lengths
+        views["positions"][:] = views["lengths"][:, None]
         views["positions"][:, :depth.shape[1]] += depth
         if tokens is not None and len(tokens):
             tokens = np.asarray(tokens, dtype=np.int64).reshape(layout.batch, -1)
             views["tokens"][:, :tokens.shape[1]] = tokens
         views["head_rows"][:] = head_rows
-        views["length"][...] = length
+        views["length"][...] = views["lengths"].max()
         views["extra"][:] = extra
         return host
 

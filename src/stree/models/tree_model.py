@@ -121,6 +121,17 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
                                                                                                       torch.int32):
             raise ValueError("input_ids must be an integer tensor of shape (batch, prompt_length)")
+        logits, features, cache, weights = self._prefilled(input_ids, features, max_length)
+        self._pending = None  # the state is replaced
+        if self._cache is None or weights != self._weights or not self._cache.load(cache):
+            # new shapes or weights: new buffers (else the existing ones, and anything compiled against them, stay)
+            self._use(cache, weights)
+        self.tree = None
+        return (logits, features) if self.returns_hidden else logits
+
+    def _prefilled(self, input_ids, features, max_length):
+        """HF's forward over input_ids (batch, P): (last logits (batch, vocab), features or None, a new StateCache
+        holding them, the weights' version)."""
         batch, P = input_ids.shape
         if P < 1:
             raise ValueError("prefill needs at least one token")
@@ -142,14 +153,55 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if self.pass_width is not None or self._compiled:  # compiled: round the buffers up so that
             # most prompts share them (and the compilation)
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        cache = StateCache.from_hf(hf_cache, P, capacity)
-        self._pending = None  # the state is replaced
-        if self._cache is None or weights != self._weights or not self._cache.load(cache):
-            # new shapes or weights: new buffers (else the existing ones, and anything compiled against them, stay)
-            self._cache, self._weights = cache, weights
-            self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
-        self.tree = None
-        return (logits, features) if self.returns_hidden else logits
+        return logits, features if self.returns_hidden else None, StateCache.from_hf(hf_cache, P, capacity), weights
+
+    def _use(self, cache, weights):
+        """Make `cache` the state, with mixer adapters built for its shapes."""
+        self._cache, self._weights = cache, weights
+        self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
+
+    @torch.no_grad()
+    def add_rows(self, prompts, *, max_length=None):
+        """Append one row per prompt to the state (a new state if there is none): each prompt (a 1-D tensor of P_i
+        >= 1 token ids, lengths may differ) is prefilled with HF's own forward, prompts of equal length together,
+        none padded, so each row's state is exactly its prompt's. Rows keep their own lengths from then on (passes
+        place each row's nodes after its own tokens; commits may accept paths of different lengths per row).
+
+        max_length: the most tokens any row will hold, trees included. Eager passes only (compiled passes are
+        specialised on the batch). Returns the new rows' last logits (len(prompts), vocab) in prompt order, and with
+        returns_hidden a list of their features ((P_i, hidden) each)."""
+        if self._compiled:
+            raise ValueError("rows of different lengths need eager passes (compiled passes are fixed to a batch)")
+        if self.tree is not None:
+            raise RuntimeError("the current tree is not committed: call commit() or discard() first")
+        prompts = [_checked_prompt(p, self.device) for p in prompts]
+        if not prompts:
+            raise ValueError("add_rows needs at least one prompt")
+        groups = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(prompt.shape[0], []).append(i)
+        caches, order, logits, features = [] if self._cache is None else [self.cache], [], [], []
+        for P, rows in groups.items():
+            out, feats, cache, weights = self._prefilled(torch.stack([prompts[i] for i in rows]), None, max_length)
+            caches.append(cache)
+            order += rows
+            logits.append(out)
+            features += [] if feats is None else list(feats)
+        capacity = max(c.capacity or 0 for c in caches)
+        self._use(StateCache.concat(caches, capacity), weights)
+        where = np.argsort(order)
+        logits = torch.cat(logits)[torch.as_tensor(where)]
+        return (logits, [features[i] for i in where]) if self.returns_hidden else logits
+
+    @torch.no_grad()
+    def keep_rows(self, rows):
+        """Keep only rows `rows` (a list of row indices, in the order they become rows 0, 1, ...) of the state."""
+        if self.tree is not None:
+            raise RuntimeError("the current tree is not committed: call commit() or discard() first")
+        rows = [int(r) for r in rows]
+        if not rows or any(not 0 <= r < self._cache.batch for r in rows):
+            raise ValueError(f"rows must be a non-empty list of row indices below {self._cache.batch}, got {rows}")
+        self._use(self.cache.select(torch.tensor(rows, device=self.device)), self._weights)
 
     def _packed_linears(self, weights):
         """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""
@@ -263,7 +315,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         cache.reserve(cache.length + tree.capacity)
         if self._static_buffers:
             self._mark_static()
-        flat, layout = tree.pass_inputs(start, width, cache.length, self.device, tokens, head_rows)
+        flat, layout = tree.pass_inputs(start, width, cache.lengths, self.device, tokens, head_rows)
         levels = self._level_positions(tree.levels(start, width)) if self._sequential else ()
         pending, self._pending = self._pending, None
         try:
@@ -301,8 +353,9 @@ class TreeModel(TreePassRunner, DeviceGrowth):
     def commit(self, nodes):
         """Make the state equal to the committed sequence + path(nodes[b]) of the current tree, in place.
 
-        nodes (batch,) ints (tensor or list), -1 = keep only the committed sequence. Every row must accept a path
-        of the same length. The host part (length, checks) happens now, the device part with the next pass.
+        nodes (batch,) ints (tensor or list), -1 = keep only the committed sequence; rows may accept paths of
+        different lengths (each row's length advances by its own). The host part (lengths, checks) happens now, the
+        device part with the next pass.
         """
         if self.tree is None:
             raise RuntimeError("no tree to commit: call tree_forward() first")
@@ -311,16 +364,24 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         nodes = nodes.reshape(-1).tolist() if isinstance(nodes, torch.Tensor) else [int(n) for n in nodes]
         if len(nodes) != cache.batch or any(not -1 <= n < tree.n for n in nodes):
             raise ValueError(f"nodes must hold {cache.batch} node ids in [-1, {tree.n}), got {nodes}")
-        moves, n = commit_moves(tree, nodes, cache.length)
+        moves, accepted = commit_moves(tree, nodes, cache.lengths)
         # the tree's structure as it is now (a failed pass may have grown its slots since the last good one)
-        self._pending = tree.pass_inputs(0, 0, cache.length, self.device, extra=moves)
-        cache.length += n
+        self._pending = tree.pass_inputs(0, 0, cache.lengths, self.device, extra=moves)
+        cache.lengths += accepted
         self.tree = None
 
     def discard(self):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
         self.tree = None
         self._unsettled = 0
+
+
+def _checked_prompt(prompt, device):
+    """A prompt as a 1-D int64 tensor on `device` (ValueError unless a non-empty 1-D integer tensor)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0 or prompt.dtype not in (
+            torch.int64, torch.int32):
+        raise ValueError("each prompt must be a non-empty 1-D integer tensor of token ids")
+    return prompt.long().to(device)
 
 
 def _checked_nodes(tokens, parents, logits_for, batch, vocab):
@@ -368,17 +429,15 @@ def padded_levels(levels, widths, compiled, fixed):
     return [np.resize(levels[s] if s < len(levels) else levels[0][:1], n) for s, n in enumerate(sizes)]
 
 
-def commit_moves(tree, nodes, length):
-    """(the ints a commit sends, the accepted path's length): the nodes, then each row's path slots (sources) and
-    where they go (destinations). Paths are padded to the tree's slot count (padding copies a position onto
-    itself), so no shape depends on the path. Every row must accept a path of the same length (ValueError)."""
+def commit_moves(tree, nodes, lengths):
+    """(the ints a commit sends, each row's accepted path length (batch,)): the nodes, then each row's path slots
+    (sources: node slots start at max(lengths)) and where they go (destinations: after the row's own length). Paths
+    are padded to the tree's slot count (padding copies a position onto itself), so no shape depends on a path."""
     paths = [tree.path(b, n) for b, n in enumerate(nodes)]
-    if any(len(p) != len(paths[0]) for p in paths):
-        raise ValueError(f"accepted paths of different lengths across the batch ({[len(p) for p in paths]}) "
-                         "are not supported")
-    batch, n, width = len(nodes), len(paths[0]), tree.capacity
-    destinations = length + np.arange(width)
-    sources = np.tile(destinations, (batch, 1))
-    sources[:, :n] = length + np.asarray(paths, dtype=np.int64).reshape(batch, n)
-    moves = np.concatenate([np.asarray(nodes, dtype=np.int64), sources.reshape(-1), np.tile(destinations, batch)])
-    return moves, n
+    batch, width, frontier = len(nodes), tree.capacity, int(lengths.max())
+    destinations = lengths[:, None] + np.arange(width)
+    sources = destinations.copy()
+    for b, path in enumerate(paths):
+        sources[b, :len(path)] = frontier + np.asarray(path, dtype=np.int64)
+    moves = np.concatenate([np.asarray(nodes, dtype=np.int64), sources.reshape(-1), destinations.reshape(-1)])
+    return moves, np.array([len(p) for p in paths], dtype=np.int64)

@@ -67,7 +67,7 @@ class TreePassRunner:
         index = TreeIndex.prebuilt(inputs["parents"], inputs["mask"], inputs["windows"])
         kwargs = dict(position_ids=inputs["positions"])
         if self.uses_attention:
-            kwargs["attention_mask"] = tree_attention_mask(inputs["length"], rows, index.mask, tokens.shape[0],
+            kwargs["attention_mask"] = tree_attention_mask(inputs["lengths"], inputs["length"], rows, index.mask,
                                                            cache.capacity, self.head.weight.dtype)
             cache.begin_pass(inputs["length"] + rows)
         self._pass = TreePass(index, rows, levels)
