@@ -7,6 +7,7 @@ from ..shapes import BeamTree
 from .device import grow_on_device
 from .growth import DraftedTree, Growth
 from .host import GROW
+from .rows import drive
 
 __all__ = ["draft_tree", "grows_on_device", "DraftedTree", "Growth"]
 
@@ -36,4 +37,4 @@ def draft_tree(draft, trunk, spec, sampler, generated, generator=None, costs=Non
         on_device = grows_on_device(draft.device, draft.compiled)
     if on_device and sampler.greedy and not isinstance(spec, BeamTree):
         return grow_on_device(growth, spec)
-    return GROW[type(spec)](growth, spec)
+    return drive(draft, [GROW[type(spec)](growth, spec)])[0]

@@ -7,6 +7,7 @@ tree is extended, never recomputed, and nodes never expanded are never fed.
 """
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +68,13 @@ class DraftedTree:
         return max(index), trunk + [bonus]
 
 
+class Feed(NamedTuple):
+    """A draft pass Growth.expand asks for: feed `new` (node ids, topological) and return the logits of `nodes`."""
+    growth: object
+    new: list
+    nodes: list
+
+
 class Growth:
     """The tree being drafted: the trunk as a chain, then nodes appended level by level. costs: the RoundCosts an
     adaptive tree decides with (None: a fixed tree)."""
@@ -94,28 +102,32 @@ class Growth:
         the node's k most probable tokens need to reach that share of its mass; see DynamicTree). The LM head runs
         on `nodes` only, and the choice is one batched operation over (len(nodes), vocab) with one copy to the host.
 
-        Returns {node: [(token, log q(token))]} in drawing order.
+        A generator (the grow functions call it with `yield from`), so that a driver (drafting.rows.drive) can run
+        the passes of many rows' trees as one batched pass: it first yields a Feed (answered with the logits
+        (len(nodes), vocab) of `nodes`), then the tensor to copy to the host (answered with that copy as nested
+        lists). Returns {node: [(token, log q(token))]} in drawing order.
         """
         new = set()
         for node in nodes:
             while node >= 0 and node not in self.fed and node not in new:
                 new.add(node)
                 node = self.parents[node]
-        new = sorted(new)  # topological: a parent's id is below its children's
-        run, features = (self.draft.extend, None) if self.fed else (self.draft.tree_forward, self.features)
-        for node in new:
-            self.fed[node] = len(self.fed)
-        position = {node: j for j, node in enumerate(new)}
-        logits = run([[self.tokens[n] for n in new]], [[self.fed.get(self.parents[n], -1) for n in new]],
-                     logits_for=[position[n] for n in nodes], features=features)[0]       # (K, vocab)
+        logits = yield Feed(self, sorted(new), nodes)  # topological: a parent's id is below its children's
         self.passes += 1
         generated = [self.generated + self.depth[n] for n in nodes]  # a tensor only if min_new_tokens needs one
         picked, values, valid = self._choose(self.sampler.scores(logits, generated), nodes, k, coverage)
-        host = torch.stack([picked.double(), values, valid]).tolist()                      # one transfer
+        host = yield torch.stack([picked.double(), values, valid])
         self.transfers += 1
         self.arrivals.append(time.perf_counter())
         return {node: [(int(t), v) for t, v, ok in zip(*(h[r] for h in host)) if ok]
                 for r, node in enumerate(nodes)}
+
+    def feed(self, new, first_id):
+        """Give the nodes `new` (a Feed's) the draft ids first_id, first_id + 1, ... Returns their tokens and their
+        parents' draft ids (-1: the committed sequence)."""
+        for j, node in enumerate(new):
+            self.fed[node] = first_id + j
+        return [self.tokens[n] for n in new], [self.fed.get(self.parents[n], -1) for n in new]
 
     def _choose(self, scores, nodes, k, coverage):
         """(token ids, log q, valid 0/1), each (K, k), of the children of `nodes` from their scores (K, vocab)."""

@@ -1,5 +1,6 @@
 """Trees grown level by level on the host: one draft pass per level, its children copied to the host, the next
-level chosen there (every shape, greedy or sampled). With sampling, a node's children are drawn one after another
+level chosen there (every shape, greedy or sampled). Each grow function is a generator run by drafting.rows.drive
+(through Growth.expand's requests), so that the trees of many rows grow in the same batched draft passes. With sampling, a node's children are drawn one after another
 without replacement and the number of children of a node never depends on the children drawn, which keeps
 verification lossless."""
 import math
@@ -18,7 +19,7 @@ def adaptive_costs(growth, spec):
 def grow_static(growth, spec):
     frontier = [growth.root]
     for width in spec.branching:
-        children = growth.expand(frontier, width)
+        children = yield from growth.expand(frontier, width)
         frontier = [growth.add(node, token) for node in frontier for token, _ in children[node]]
     return growth.result()
 
@@ -41,7 +42,7 @@ def grow_dynamic(growth, spec):
                           not levels_that_pay(costs, spec, estimates_of(costs, growth, joint), growth.root, expand,
                                               ratios, growth.passes)):
             break
-        children = growth.expand(expand, spec.top_k, spec.coverage)
+        children = yield from growth.expand(expand, spec.top_k, spec.coverage)
         frontier, ratios = _add_level(growth, costs, expand, children, joint, sampled_estimates, spec.top_k)
     if not growth.sampler.greedy:
         return growth.result(estimates=estimates_of(costs, growth, joint))
@@ -106,7 +107,7 @@ def grow_beam(growth, spec):
                          "StaticTree or DynamicTree with temperature > 0")
     beams = [(growth.root, 0.0)]
     for _ in range(spec.steps):
-        children = growth.expand([node for node, _ in beams], spec.beams)
+        children = yield from growth.expand([node for node, _ in beams], spec.beams)
         candidates = [(score + log_q, node, token) for node, score in beams for token, log_q in children[node]]
         candidates.sort(key=lambda c: -c[0])
         beams = [(growth.add(node, token), score) for score, node, token in candidates[:spec.beams]]
