@@ -287,12 +287,18 @@ class Generation:
 @torch.no_grad()
 def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
              eos_token_id=None, tree=DEFAULT_TREE, return_stats=False, min_new_tokens=0, generator=None,
-             streamer=None, stopping_criteria=None, compile=False, draft_on_device=None, costs=None):
+             streamer=None, stopping_criteria=None, compile=False, draft_on_device=None, costs=None,
+             attention_mask=None, pad_token_id=None):
     """Speculative tree decoding whose output is distributed exactly as the target's own decoding.
 
     Args:
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
-        input_ids: (1, P) or (P,) prompt token ids, P >= 1.
+        input_ids: (1, P) or (P,) prompt token ids, P >= 1; or a batch: (B, P) with an attention_mask (B, P) of
+            left padding (HF's decoder-only convention), or a list of 1-D prompts of any lengths. Every row of a
+            batch is decoded with its own tree and acceptance (stree.batch.Batch: eager passes, trees at a fixed
+            shape, rows that end leave the batch), as if alone; not with a streamer, compile, costs or a draft
+            head. `generator` may then be a list with one torch.Generator per row (a row's draws then do not depend
+            on its batch mates).
         draft_model: any supported causal LM with the target's vocabulary, or a stree.DraftHead made for this target
             (it drafts from the target's hidden states: docs/heads.md); None = stree's own autoregressive
             decoding of the target (one single-node pass per token on the same engine: the baseline that shows
@@ -326,14 +332,28 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
             compiled passes, else not (stree.drafting.grows_on_device says why).
         costs: the stree.adaptive.RoundCosts an adaptive tree decides with (updated in place; timed first if it
             holds no timings). None = the one stree keeps for this target and setting (stree.adaptive.kept_costs).
+        attention_mask / pad_token_id: batches only. pad_token_id pads rows that end early (default: the
+            generation config's, else the first EOS id).
     Returns:
-        (1, P + n) token ids (prompt + new tokens), and the stats when return_stats.
+        (1, P + n) token ids (prompt + new tokens), and the stats when return_stats; a batch: (B, P + n), each row
+        its input row then its new tokens, right-padded with pad_token_id, as HF's generate returns a batch.
 
     Greedy exactness: the tree pass equals token-by-token decoding up to float rounding, so the output equals HF's
     greedy search except where two top logits lie within that rounding (~1e-6 relative in float32; in bf16 /
     fp16 rounding differs between a tree pass and a decode step, so outputs agree with HF's for a while, not
     token for token).
     """
+    if is_batch(input_ids, attention_mask):
+        from .batch import generate_batch  # batch.py builds on this module
+        unsupported = dict(streamer=streamer, compile=compile, costs=costs, draft_on_device=draft_on_device)
+        if any(unsupported.values()):
+            raise ValueError(f"a batch of prompts runs eager passes and takes none of {sorted(unsupported)}; got "
+                             f"{sorted(k for k, v in unsupported.items() if v)}")
+        return generate_batch(model, input_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
+                              attention_mask=attention_mask, pad_token_id=pad_token_id, generator=generator,
+                              return_stats=return_stats, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_token_id=eos_token_id, tree=tree, min_new_tokens=min_new_tokens,
+                              stopping_criteria=stopping_criteria)
     generation = Generation(model, input_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, tree=tree,
                             min_new_tokens=min_new_tokens, generator=generator, streamer=streamer,
@@ -342,6 +362,14 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     while not generation.done:
         generation.round()
     return generation.output(return_stats)
+
+
+def is_batch(input_ids, attention_mask):
+    """Whether generate() was given a batch: a list of prompts, several rows, or a mask with padding."""
+    if isinstance(input_ids, (list, tuple)):
+        return True
+    rows = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
+    return rows > 1 or (attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()))
 
 
 def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
@@ -359,9 +387,8 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"stree.generate decodes one sequence at a time (batch 1), got batch {input_ids.shape[0]}")
     vocab = vocab_size(model)
     check_token_ids("input_ids", input_ids, vocab)
-    for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    check_count("max_new_tokens", max_new_tokens)
+    check_count("min_new_tokens", min_new_tokens)
     shares = lambda head: (head.inner.get_input_embeddings() is model.get_input_embeddings()  # noqa: E731
                            and head.inner.get_output_embeddings() is model.get_output_embeddings())
     if isinstance(draft_model, DraftHead) and not shares(draft_model):
@@ -371,6 +398,12 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
                          f"({vocab}); they must share a tokenizer")
     return input_ids.long().to(model.device)
+
+
+def check_count(name, value):
+    """ValueError unless `value` is a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
 def eos_ids(eos_token_id):

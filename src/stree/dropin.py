@@ -9,7 +9,7 @@ import copy
 
 from transformers import GenerationConfig
 
-from .decoding import DEFAULT_TREE, generate
+from .decoding import DEFAULT_TREE, generate, is_batch
 from .models import TreeModel
 
 HONOURED = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k",
@@ -80,19 +80,20 @@ def enable(model, *, tree=DEFAULT_TREE, compile=False):
         input_ids = kwargs.pop("input_ids", inputs)
         if logits_processor:
             raise NotImplementedError("custom logits_processor is not supported with draft_model")
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError("with draft_model, input_ids must be one unpadded row of shape (1, prompt_length)")
-        if attention_mask is not None and not bool((attention_mask == 1).all()):
-            raise ValueError("with draft_model, only an all-ones attention_mask (one unpadded row) is supported")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("with draft_model, input_ids must be a (batch, prompt_length) tensor")
         default_max_length = (kwargs.get("max_length") is None and model.generation_config.max_length is None
                               and (generation_config is None or generation_config.max_length is None))
         config = _effective_config(model, generation_config, kwargs)
         max_new, min_new = _lengths(model, config, input_ids.shape[1], default_max_length)
         sampling = dict(temperature=config.temperature, top_k=config.top_k or None,
                         top_p=config.top_p if config.top_p < 1.0 else None) if config.do_sample else {}
+        batch = is_batch(input_ids, attention_mask)  # batches run eager passes (stree.batch)
         return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max_new,
                         min_new_tokens=min_new, eos_token_id=config.eos_token_id, tree=tree, streamer=streamer,
-                        stopping_criteria=stopping_criteria, compile=stree_compile, **sampling)
+                        stopping_criteria=stopping_criteria, compile=stree_compile and not batch,
+                        attention_mask=attention_mask if batch else None, pad_token_id=config.pad_token_id,
+                        **sampling)
 
     model.generate = tree_generate
     return model

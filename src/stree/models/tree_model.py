@@ -193,6 +193,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         logits = torch.cat(logits)[torch.as_tensor(where)]
         return (logits, [features[i] for i in where]) if self.returns_hidden else logits
 
+    def clear(self):
+        """Forget the state (and any tree): the next prefill() or add_rows() starts a new one."""
+        self._cache = self.tree = self._pending = None
+
     @torch.no_grad()
     def keep_rows(self, rows):
         """Keep only rows `rows` (a list of row indices, in the order they become rows 0, 1, ...) of the state."""

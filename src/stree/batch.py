@@ -1,0 +1,251 @@
+"""Batched speculative tree decoding: many prompts decoded together, each row with its own tree, its own acceptance
+and its own state, every row's output distributed exactly as the target's own decoding of that row alone.
+
+A `Batch` holds the rows being decoded (continuous batching): `add()` prefills new prompts (each unpadded, so its
+state is exactly its prompt's) and emits their first token; `step()` runs one round for every row: the draft grows
+every row's tree in the same draft passes (drafting.rows.drive), one target pass verifies all trees (rows padded to
+the widest tree with nodes that no node descends from), each row accepts its own path and both models commit each
+row's own path (rows advance by different numbers of tokens); rows that end leave the batch at once, so they cost
+nothing afterwards; `finished()` hands their outputs over.
+
+    batch = Batch(model, draft_model=draft, max_new_tokens=64)
+    ids = batch.add([prompt_a, prompt_b])        # 1-D token tensors of any lengths
+    while batch.active:
+        batch.step()
+        outputs = batch.finished()               # {id: (P + n,) prompt and new tokens} of rows that ended
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .checks import check_token_ids, vocab_size
+from .decoding import DEFAULT_TREE, Output, check_count, check_inputs, eos_ids
+from .drafting import Growth, drive
+from .drafting.host import GROW
+from .heads.head import DraftHead
+from .models import TreeModel
+from .sampling import Sampler, sample
+from .shapes import tree_shapes, tree_spec
+from .stats import GenerationStats
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass(eq=False)
+class Row:
+    """One prompt being decoded: its id, its Output (tokens and stop conditions), its random generator (None: the
+    global RNG) and its trunk (tokens the draft's cache still lacks, the last emitted one last)."""
+    id: int
+    out: Output
+    generator: object
+    trunk: list
+
+
+class Batch:
+    """Rows decoded together (see the module's docstring). Arguments as stree.generate's; rows may join between
+    steps. Trees keep a fixed shape per round (an adaptive tree decodes at its default shape: its cost model is timed
+    at batch 1). Passes are eager."""
+
+    def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                 eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):
+        check_inputs(model, draft_model, torch.zeros(1, 1, dtype=torch.long), max_new_tokens, min_new_tokens)
+        if isinstance(draft_model, DraftHead):
+            raise ValueError("batched decoding drafts with a draft model; draft heads decode one row at a time")
+        self.spec = tree_spec(tree) if draft_model is not None else None
+        self.eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
+        self.sampler = Sampler(temperature, top_k, top_p, min_new_tokens, self.eos)
+        self.max_new_tokens, self.stopping_criteria = max_new_tokens, stopping_criteria
+        self.draft_nodes = tree_shapes(self.spec, paced=False)[1] if self.spec else 1
+        self.target = TreeModel(model)
+        self.draft = None if draft_model is None else TreeModel(draft_model)
+        self.vocab, self.device = vocab_size(model), model.device
+        self.rows, self._done, self._next_id = [], {}, 0
+        self.stats = GenerationStats()
+
+    @property
+    def active(self):
+        """How many rows are still decoding."""
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, prompts, *, generators=None, max_new_tokens=None):
+        """Start decoding `prompts`: one 1-D token tensor, or a list of them (lengths may differ). generators: one
+        torch.Generator per prompt (a row's draws then depend on its generator alone, not on its batch mates), a
+        single one shared by the rows (in row order), or None (the global RNG). max_new_tokens: these rows' own
+        bound (default the Batch's). Returns the new rows' ids (an int for a single tensor)."""
+        single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1
+        prompts = [prompts] if single else list(prompts)
+        if not prompts:
+            raise ValueError("add() needs at least one prompt")
+        for prompt in prompts:
+            if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+                raise ValueError("each prompt must be a non-empty 1-D tensor of token ids")
+            check_token_ids("prompt", prompt, self.vocab)
+        generators = _per_row(generators, len(prompts))
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        check_count("max_new_tokens", limit)
+        max_length = max(p.numel() for p in prompts) + limit + self.draft_nodes
+        prompts = [p.long().to(self.device) for p in prompts]
+        new = [Row(self._next_id + i, Output(p[None], self.eos, limit, self.stopping_criteria, None), g, [])
+               for i, (p, g) in enumerate(zip(prompts, generators))]
+        self._next_id += len(new)
+        if limit == 0:  # nothing to decode
+            self._done.update((row.id, row.out.sequence()[0]) for row in new)
+            return new[0].id if single else [row.id for row in new]
+        logits = self.target.add_rows(prompts, max_length=max_length)
+        if self.draft is not None:
+            self.draft.add_rows(prompts, max_length=max_length)
+        scores = self.sampler.scores(logits, 0)
+        for row, row_scores in zip(new, scores):
+            root = int(row_scores.argmax()) if self.sampler.greedy else sample(row_scores.softmax(-1), row.generator)
+            row.out.emit([root])
+            row.trunk = [root]
+        self.rows += new
+        self._drop_finished()
+        return new[0].id if single else [row.id for row in new]
+
+    def finished(self):
+        """{id: (P + n,) token ids: the prompt, then the new tokens} of the rows that ended since the last call."""
+        done, self._done = self._done, {}
+        return done
+
+    @torch.no_grad()
+    def step(self):
+        """One round for every active row: draft, verify, emit, commit; rows that end leave the batch."""
+        if not self.rows:
+            raise RuntimeError("no active rows: add() prompts first")
+        drafted = self._draft_trees()
+        trees = [(d.target_tokens, d.target_parents, d.target_depth) if d is not None else
+                 ([row.out.generated[-1]], [-1], [0]) for row, d in zip(self.rows, drafted)]
+        width = max(len(tokens) for tokens, _, _ in trees)
+        tokens = np.zeros((len(trees), width), dtype=np.int64)
+        parents = np.full((len(trees), width), -1, dtype=np.int64)
+        generated = np.zeros((len(trees), width), dtype=np.int64)
+        for b, ((row_tokens, row_parents, depth), row) in enumerate(zip(trees, self.rows)):
+            tokens[b, :len(row_tokens)], parents[b, :len(row_parents)] = row_tokens, row_parents
+            generated[b, :len(depth)] = len(row.out.generated) + np.asarray(depth)
+        scores = self.sampler.scores(self.target.tree_forward(tokens, parents), generated.tolist())
+        verdicts = self._verify(scores, trees, drafted)
+        self.stats.target_passes += 1
+        for row, (tokens_b, _, _), (accepted, bonus) in zip(self.rows, trees, verdicts):
+            emitted = row.out.emit([tokens_b[n] for n in accepted[1:]] + [bonus])
+            self.stats.tokens_per_pass.append(len(emitted))
+            self.stats.tree_sizes.append(len(tokens_b))
+        self.target.commit([accepted[-1] for accepted, _ in verdicts])
+        if self.draft is not None:
+            commits = [d.draft_commit(accepted, bonus) for d, (accepted, bonus) in zip(drafted, verdicts)]
+            self.draft.commit([node for node, _ in commits])
+            for row, (_, trunk) in zip(self.rows, commits):
+                row.trunk = trunk
+        self._drop_finished()
+
+    def _draft_trees(self):
+        """Every row's DraftedTree (None per row without a draft model)."""
+        if self.draft is None:
+            return [None] * len(self.rows)
+        programs = [GROW[type(self.spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
+                                                 row.generator), self.spec) for row in self.rows]
+        drafted = drive(self.draft, programs)
+        self.stats.draft_passes += max(d.passes for d in drafted)
+        return drafted
+
+    def _verify(self, scores, trees, drafted):
+        """[(accepted node ids, bonus token)] per row from the target's scores (batch, width, vocab)."""
+        if self.sampler.greedy:
+            greedy = scores.argmax(-1).tolist()  # one copy for the batch
+            self.stats.transfers += 1
+            return [verify_greedy(tokens, parents, greedy[b][:len(tokens)])
+                    for b, (tokens, parents, _) in enumerate(trees)]
+        probs = scores.softmax(-1)
+        return [verify_sampling(tokens, parents, probs[b, :len(tokens)], {} if d is None else d.target_probs(),
+                                row.generator)
+                for b, ((tokens, parents, _), d, row) in enumerate(zip(trees, drafted, self.rows))]
+
+    def _drop_finished(self):
+        """Hand the rows that ended to finished() and take them out of both models' batches."""
+        keep = [b for b, row in enumerate(self.rows) if not row.out.done]
+        if len(keep) == len(self.rows):
+            return
+        self.stats.new_tokens += sum(len(row.out.generated) for row in self.rows if row.out.done)
+        self._done.update((row.id, row.out.sequence()[0]) for row in self.rows if row.out.done)
+        self.rows = [self.rows[b] for b in keep]
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.keep_rows(keep) if keep else model.clear()
+
+
+def _per_row(generators, count):
+    """A list of `count` generators (or Nones) from None, one torch.Generator or a list of them."""
+    if generators is None or isinstance(generators, torch.Generator):
+        return [generators] * count
+    generators = list(generators)
+    if len(generators) != count or not all(isinstance(g, torch.Generator) for g in generators):
+        raise ValueError(f"generators must be one torch.Generator or a list of {count} of them (one per prompt)")
+    return generators
+
+
+def batch_prompts(input_ids, attention_mask=None):
+    """(prompts: a list of 1-D token tensors, the padded (B, P) input to return them in) from a (B, P) tensor,
+    left-padded where `attention_mask` (B, P) holds zeros (HF's decoder-only convention), or a list of 1-D prompts
+    (their padded input is built with pad id -1, filled in later by generate_batch)."""
+    if isinstance(input_ids, (list, tuple)):
+        prompts = [torch.as_tensor(p) for p in input_ids]
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a padded (batch, P) tensor, not with a list of prompts")
+        if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+            raise ValueError("a list of prompts must hold non-empty 1-D token id tensors")
+        width = max(p.numel() for p in prompts)
+        padded = torch.full((len(prompts), width), -1, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            padded[b, width - p.numel():] = p
+        return prompts, padded
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError("batched input_ids must be a (batch, prompt_length) tensor or a list of 1-D prompts")
+    if attention_mask is None:
+        return list(input_ids), input_ids
+    mask = torch.as_tensor(attention_mask).to(input_ids.device)
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
+    lengths = mask.sum(1)
+    left_padded = torch.arange(mask.shape[1], device=mask.device) >= (mask.shape[1] - lengths)[:, None]
+    if not torch.equal(mask.bool(), left_padded) or bool((lengths == 0).any()):
+        raise ValueError("attention_mask must be left padding (zeros, then ones: HF's decoder-only convention) with "
+                         "at least one token per row; right-padded or holed masks are not supported")
+    return [row[row.numel() - int(n):] for row, n in zip(input_ids, lengths)], input_ids
+
+
+def generate_batch(model, input_ids, *, draft_model, max_new_tokens, attention_mask=None, pad_token_id=None,
+                   generator=None, return_stats=False, **options):
+    """stree.generate on a batch (its docstring): every row decoded by a Batch. Returns (B, P + n) token ids, each
+    row its input row then its new tokens, right-padded with pad_token_id (default: the generation config's, else
+    the first EOS id), and the Batch's GenerationStats when return_stats."""
+    prompts, padded = batch_prompts(input_ids, attention_mask)
+    batch = Batch(model, draft_model=draft_model, max_new_tokens=max_new_tokens, **options)
+    start = time.perf_counter()
+    ids = batch.add(prompts, generators=generator)
+    while batch.active:
+        batch.step()
+    done = batch.finished()
+    new = [done[i][prompt.numel():] for i, prompt in zip(ids, prompts)]
+    width = max(n.numel() for n in new)
+    pad = _pad_id(model, pad_token_id, batch.eos)
+    if pad is None and (any(n.numel() < width for n in new) or bool((padded < 0).any())):
+        raise ValueError("rows of different lengths need pad_token_id (the model's generation config has none and no "
+                         "EOS id)")
+    output = torch.full((len(prompts), padded.shape[1] + width), -1 if pad is None else pad, dtype=torch.long,
+                        device=model.device)
+    output[:, :padded.shape[1]] = padded.to(model.device)
+    output[output < 0] = -1 if pad is None else pad
+    for b, tokens in enumerate(new):
+        output[b, padded.shape[1]:padded.shape[1] + tokens.numel()] = tokens
+    batch.stats.total_time = time.perf_counter() - start
+    return (output, batch.stats) if return_stats else output
+
+
+def _pad_id(model, pad_token_id, eos):
+    """The id that pads outputs: pad_token_id, else the generation config's, else the smallest EOS id (None: none)."""
+    for candidate in (pad_token_id, model.generation_config.pad_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return min(eos) if eos else None

@@ -1,0 +1,209 @@
+"""Batched tree decoding (stree.batch): every row of a batch equals the target's own decoding of that row alone
+(HF's greedy generate per row; exact distributions when sampling), whatever its batch mates do."""
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import stree
+from stree.batch import Batch
+from stree.models import TINY_CONFIGS, tiny_model
+from stats import assert_matches, chi_square, chi_square_critical
+from test_generate import hf_greedy, noisy_copy, without_eos
+from test_sampling import exact_model_distribution
+from stree.sampling import Sampler
+
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+def random_prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 64, (n,), generator=g) for n in lengths]
+
+
+def left_padded(prompts, pad=0):
+    """(B, P) input ids left-padded with `pad` and their attention mask."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+    return ids, mask
+
+
+def assert_row_is(output, b, padded_width, want_new, pad):
+    """Row b of a batched output: its padded input, then exactly `want_new`, then padding."""
+    new = output[b, padded_width:]
+    assert new[:want_new.numel()].tolist() == want_new.tolist()
+    assert (new[want_new.numel():] == pad).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_rows_equal_hf_greedy_of_each_row_alone(family):
+    """Left-padded prompts of different lengths; an EOS that ends one row inside a round while the others go on:
+    each row equals HF's greedy generate of that row alone, and the rows accepted paths of several lengths."""
+    target = without_eos(tiny_model(family, dtype=torch.float64))
+    draft = noisy_copy(target, scale=0.01, seed=1)
+    prompts = random_prompts([3, 9, 6], seed=2)
+    free_run = hf_greedy(target, prompts[0][None], 40)[0, 3:]
+    eos = int(free_run[12])  # row 0 stops after at most 13 tokens
+    wants = [hf_greedy(target, p[None], 40, eos_token_id=eos)[0, p.numel():] for p in prompts]
+    assert len({w.numel() for w in wants}) > 1  # the rows end at different times
+    ids, mask = left_padded(prompts)
+    output, stats = stree.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=40,
+                                   eos_token_id=eos, pad_token_id=63, tree=stree.DynamicTree(), return_stats=True)
+    assert output.shape == (3, ids.shape[1] + max(w.numel() for w in wants))
+    assert torch.equal(output[:, :ids.shape[1]], ids)
+    for b, want in enumerate(wants):
+        assert_row_is(output, b, ids.shape[1], want, pad=63)
+    assert max(stats.tokens_per_pass) >= 3 and len(set(stats.tokens_per_pass)) >= 2, stats.tokens_per_pass
+
+
+class StopAtLength(StoppingCriteria):
+    """Stops a sequence once it holds `length` tokens (rows of different prompt lengths stop at different counts)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=6, depth=4), None])
+def test_stopping_criteria_end_rows_at_different_counts(tree):
+    """A stopping criterion on the sequence length: rows of different prompt lengths get different numbers of new
+    tokens, each equal to HF's with the same criterion (a list input; None = stree's batched autoregressive loop)."""
+    target = without_eos(tiny_model("nemotron_h", dtype=torch.float64))
+    draft = None if tree is None else noisy_copy(target, scale=0.01, seed=3)
+    prompts = random_prompts([4, 11, 7], seed=4)
+    criteria = StoppingCriteriaList([StopAtLength(20)])
+    output = stree.generate(target, prompts, draft_model=draft, max_new_tokens=30, stopping_criteria=criteria,
+                            pad_token_id=0, **({} if tree is None else {"tree": tree}))
+    for b, p in enumerate(prompts):
+        want = hf_greedy(target, p[None], 30, stopping_criteria=criteria)[0, p.numel():]
+        assert want.numel() == 20 - p.numel()
+        assert_row_is(output, b, 11, want, pad=0)
+        assert output[b, 11 - p.numel():11].tolist() == p.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_of_one_equals_the_unbatched_call(temperature):
+    target, draft = tiny_model("bamba", dtype=torch.float64, seed=5), tiny_model("bamba", dtype=torch.float64, seed=6)
+    prompt = random_prompts([7], seed=7)[0]
+    tree = stree.DynamicTree(budget=6, depth=3)
+    alone = stree.generate(target, prompt[None], draft_model=draft, max_new_tokens=25, tree=tree,
+                           temperature=temperature, generator=torch.Generator().manual_seed(1))
+    batched = stree.generate(target, [prompt], draft_model=draft, max_new_tokens=25, tree=tree,
+                             temperature=temperature, generator=[torch.Generator().manual_seed(1)])
+    assert torch.equal(alone, batched)
+
+
+def test_a_rows_samples_do_not_depend_on_its_batch_mates():
+    """Per-row generators: a row samples the same tokens alone, beside other prompts, and in another position."""
+    target, draft = tiny_model("mamba2", dtype=torch.float64, seed=8), tiny_model("mamba2", dtype=torch.float64, seed=9)
+    prompts = random_prompts([5, 2, 8], seed=10)
+    seeded = lambda *seeds: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
+    options = dict(draft_model=draft, max_new_tokens=20, temperature=1.0, tree=(2, 2), pad_token_id=0)
+    alone = stree.generate(target, [prompts[0]], generator=seeded(11), **options)[0]
+    together = stree.generate(target, prompts, generator=seeded(11, 12, 13), **options)
+    swapped = stree.generate(target, prompts[::-1], generator=seeded(13, 12, 11), **options)
+    assert torch.equal(together[0, 3:3 + alone.numel()], alone)
+    assert torch.equal(swapped[2, 3:3 + alone.numel()], alone)
+
+
+def sharp_pair(family, vocab=5):
+    target = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=1)
+    draft = tiny_model(family, dtype=torch.float64, vocab_size=vocab, seed=2)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(6.0)
+        draft.get_output_embeddings().weight.mul_(6.0)
+    target.generation_config.eos_token_id = None
+    return target, draft
+
+
+def batched_sample_counts(target, draft, prompts, samples, tree, seed=0):
+    """{row: {continuation: count}} of `samples` batched generate calls of 3 new tokens."""
+    counts = [{} for _ in prompts]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(samples):
+        out = stree.generate(target, prompts, draft_model=draft, max_new_tokens=3, temperature=1.0, tree=tree,
+                             generator=g)
+        for b, row in enumerate(out[:, -3:].tolist()):
+            counts[b][tuple(row)] = counts[b].get(tuple(row), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("family, tree", [("bamba", (2, 2)), ("zamba2", stree.DynamicTree(budget=5, depth=3))])
+def test_batched_sampling_follows_each_rows_exact_distribution(family, tree):
+    """Two prompts of different lengths sampled together: each row's 3 new tokens follow the target's exact
+    distribution for that prompt (chi-square against enumeration)."""
+    target, draft = sharp_pair(family)
+    prompts = [torch.tensor([1, 3, 0]), torch.tensor([4, 2, 2, 1, 3])]
+    exact = [exact_model_distribution(target, p[None], 3, Sampler(1.0)) for p in prompts]
+    assert all(max(e.values()) < 0.5 for e in exact)
+    for counts, probs in zip(batched_sample_counts(target, draft, prompts, 500, tree), exact):
+        assert_matches(counts, probs)
+
+
+def test_a_row_verified_with_its_mates_distribution_is_caught(monkeypatch):
+    """Planted bug: every row verified against row 0's target distributions. The chi-square test of row 1 fails."""
+    import stree.batch as batch_module
+    original = batch_module.verify_sampling
+    monkeypatch.setattr(Batch, "_verify", lambda self, scores, trees, drafted: [
+        original(tokens, parents, scores.softmax(-1)[0, :len(tokens)], d.target_probs(), row.generator)
+        for (tokens, parents, _), d, row in zip(trees, drafted, self.rows)])
+    target, draft = sharp_pair("bamba")
+    prompts = [torch.tensor([1, 3, 0]), torch.tensor([4, 2, 2, 1, 3])]
+    counts = batched_sample_counts(target, draft, prompts, 500, (2, 2))[1]
+    stat, df = chi_square(counts, exact_model_distribution(target, prompts[1][None], 3, Sampler(1.0)))
+    assert stat > chi_square_critical(df)
+
+
+def test_a_prompt_added_midway_gets_its_output_alone():
+    """Continuous batching: rows join a running batch and leave it as they end; each output equals HF's alone."""
+    target = without_eos(tiny_model("falcon_h1", dtype=torch.float64))
+    batch = Batch(target, draft_model=noisy_copy(target, scale=0.01, seed=2), max_new_tokens=24,
+                  tree=stree.DynamicTree(budget=8, depth=4))
+    prompts = random_prompts([6, 3, 10, 5], seed=12)
+    ids = batch.add(prompts[:2])
+    outputs = {}
+    for step in range(40):
+        if step == 3:
+            ids.append(batch.add(prompts[2]))
+        if step == 5:
+            ids.append(batch.add(prompts[3], max_new_tokens=7))
+        if batch.active:
+            batch.step()
+        outputs.update(batch.finished())
+    assert batch.active == 0 and sorted(outputs) == sorted(ids)
+    for i, p, n in zip(ids, prompts, [24, 24, 24, 7]):
+        assert torch.equal(outputs[i], hf_greedy(target, p[None], n)[0])
+
+
+def test_the_drop_in_and_hf_pipeline_take_batches():
+    """HF's text-generation pipeline with several prompts, batch_size=4 and draft_model= returns what the plain
+    pipeline returns (the bundled pair; the pipeline left-pads its batches)."""
+    from transformers import pipeline
+    target, draft, tokenizer = stree.demo_pair()
+    stree.enable(target)
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    texts = ["def add(a, b):", "import os\n", "class Foo:\n    def __init__(self", "for i in range(10):\n",
+             "x = [1, 2"]
+    plain = pipe(texts, batch_size=4, max_new_tokens=20, do_sample=False)
+    assert pipe(texts, batch_size=4, max_new_tokens=20, do_sample=False, draft_model=draft) == plain
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t, d: stree.generate(t, torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor(
+        [[1, 1, 0], [1, 1, 1]]), draft_model=d, max_new_tokens=2), "left padding"),
+    (lambda t, d: stree.generate(t, [torch.tensor([1, 2]), torch.tensor([3])], draft_model=d, max_new_tokens=2,
+                                 compile=True), "compile"),
+    (lambda t, d: stree.generate(t, [torch.tensor([1, 2]), torch.tensor([])], draft_model=d, max_new_tokens=2),
+     "non-empty"),
+    (lambda t, d: stree.generate(t, [torch.tensor([1]), torch.tensor([2])], draft_model=d, max_new_tokens=2,
+                                 temperature=1.0, generator=[torch.Generator()]), "one per prompt"),
+    (lambda t, d: Batch(t, draft_model=d, max_new_tokens=2).step(), "add"),
+])
+def test_bad_batches_get_clear_errors(call, message):
+    target, draft = tiny_model("bamba"), tiny_model("bamba", seed=1)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        call(target, draft)
