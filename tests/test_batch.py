@@ -68,7 +68,7 @@ class StopAtLength(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=6, depth=4), None])
+@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=6, depth=4), stree.DynamicTree(adaptive=True), None])
 def test_stopping_criteria_end_rows_at_different_counts(tree):
     """A stopping criterion on the sequence length: rows of different prompt lengths get different numbers of new
     tokens, each equal to HF's with the same criterion (a list input; None = stree's batched autoregressive loop)."""
@@ -207,3 +207,28 @@ def test_bad_batches_get_clear_errors(call, message):
     target, draft = tiny_model("bamba"), tiny_model("bamba", seed=1)
     with pytest.raises((ValueError, RuntimeError), match=message):
         call(target, draft)
+
+
+def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
+    """BatchSizes against rounds whose tokens per second are known per arm: after a few rounds it uses the fastest
+    arm in all but its exploring rounds, starts a new batch size from the nearest size's choice, and moves when
+    the fastest arm changes."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    sizes = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
+    assert [a and a.budget for a in sizes.arms] == [None, 3, 6, 10, 16]
+
+    def run(rows, rates, rounds):
+        chosen = []
+        for _ in range(rounds):
+            arm = sizes.choose(rows)
+            sizes.observe(rows, arm, tokens=rates[arm], seconds=1.0)
+            chosen.append(arm)
+        return chosen
+
+    chosen = run(4, [10, 20, 30, 25, 5], 40)  # the spec's tree first, then down the slope to arm 2
+    assert chosen[0] == 4 and chosen[-16:].count(2) >= 14
+    assert run(16, [50, 20, 30, 25, 5], 1) == [2]  # a new size starts from size 4's fastest
+    chosen = run(16, [50, 20, 30, 25, 5], 40)
+    assert chosen[-16:].count(0) >= 14  # ... and climbs to the plain step
+    chosen = run(16, [5, 20, 30, 25, 5], 60)  # plain steps got slow: back to a tree
+    assert chosen[-16:].count(2) >= 14

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .adaptive import kept_costs
+from .adaptive.batch_sizes import BatchSizes
 from .checks import check_token_ids, vocab_size
 from .decoding import DEFAULT_TREE, Output, check_count, check_inputs, eos_ids
 from .drafting import Growth, drive
@@ -44,8 +46,10 @@ class Row:
 
 class Batch:
     """Rows decoded together (see the module's docstring). Arguments as stree.generate's; rows may join between
-    steps. Trees keep a fixed shape per round (an adaptive tree decodes at its default shape: its cost model is timed
-    at batch 1). Passes are eager."""
+    steps. An adaptive tree (the default) sizes each round for the batch: a plain step or a tree from small to the
+    spec's own, whichever gave the most tokens per second at this batch size (adaptive.BatchSizes, kept for the
+    model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). Passes are
+    eager."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):
@@ -56,9 +60,13 @@ class Batch:
         self.eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
         self.sampler = Sampler(temperature, top_k, top_p, min_new_tokens, self.eos)
         self.max_new_tokens, self.stopping_criteria = max_new_tokens, stopping_criteria
-        self.draft_nodes = tree_shapes(self.spec, paced=False)[1] if self.spec else 1
-        self.target = TreeModel(model)
-        self.draft = None if draft_model is None else TreeModel(draft_model)
+        target_nodes, self.draft_nodes, _ = tree_shapes(self.spec, paced=False) if self.spec else (1, 1, 1)
+        self.sizes = None  # adaptive.BatchSizes of an adaptive tree
+        if getattr(self.spec, "adaptive", False):
+            key = ("batch", id(draft_model), self.spec, str(model.dtype), self.sampler.greedy)
+            self.sizes = kept_costs(model).setdefault(key, BatchSizes(self.spec))
+        self.target = TreeModel(model, nodes=target_nodes)  # node slots: a pass's buffers and a commit's work
+        self.draft = None if draft_model is None else TreeModel(draft_model, nodes=self.draft_nodes)
         self.vocab, self.device = vocab_size(model), model.device
         self.rows, self._done, self._next_id = [], {}, 0
         self.stats = GenerationStats()
@@ -115,9 +123,40 @@ class Batch:
         """One round for every active row: draft, verify, emit, commit; rows that end leave the batch."""
         if not self.rows:
             raise RuntimeError("no active rows: add() prompts first")
-        drafted = self._draft_trees()
+        start, rows = time.perf_counter(), len(self.rows)
+        arm, spec = self._round_tree()
+        target_nodes, draft_nodes, _ = tree_shapes(spec, paced=False) if spec else (1, 1, 1)
+        self.target.set_slots(target_nodes)
+        if spec is not None:
+            self.draft.set_slots(draft_nodes)
+        drafted = self._draft_trees(spec)
         trees = [(d.target_tokens, d.target_parents, d.target_depth) if d is not None else
                  ([row.out.generated[-1]], [-1], [0]) for row, d in zip(self.rows, drafted)]
+        verdicts = self._verify(self._target_scores(trees), trees, drafted)
+        self.stats.target_passes += 1
+        emitted = 0
+        for row, (tokens, _, _), (accepted, bonus) in zip(self.rows, trees, verdicts):
+            count = len(row.out.emit([tokens[n] for n in accepted[1:]] + [bonus]))
+            emitted += count
+            self.stats.tokens_per_pass.append(count)
+            self.stats.tree_sizes.append(len(tokens))
+        self.target.commit([accepted[-1] for accepted, _ in verdicts])
+        self._commit_draft(drafted, verdicts)
+        if arm is not None:
+            self.sizes.observe(rows, arm, emitted, time.perf_counter() - start)
+        self._drop_finished()
+
+    def _round_tree(self):
+        """(the BatchSizes arm or None, the tree spec of this round: None = a plain step)."""
+        seeded = not self.sampler.greedy and any(row.generator is not None for row in self.rows)
+        if self.sizes is None or seeded:
+            return None, self.spec
+        arm = self.sizes.choose(len(self.rows))
+        return arm, self.sizes.arms[arm]
+
+    def _target_scores(self, trees):
+        """The target's processed scores (batch, width, vocab) over every row's tree (tokens, parents, depth below
+        the root), rows padded to the widest with nodes that no node descends from."""
         width = max(len(tokens) for tokens, _, _ in trees)
         tokens = np.zeros((len(trees), width), dtype=np.int64)
         parents = np.full((len(trees), width), -1, dtype=np.int64)
@@ -125,30 +164,31 @@ class Batch:
         for b, ((row_tokens, row_parents, depth), row) in enumerate(zip(trees, self.rows)):
             tokens[b, :len(row_tokens)], parents[b, :len(row_parents)] = row_tokens, row_parents
             generated[b, :len(depth)] = len(row.out.generated) + np.asarray(depth)
-        scores = self.sampler.scores(self.target.tree_forward(tokens, parents), generated.tolist())
-        verdicts = self._verify(scores, trees, drafted)
-        self.stats.target_passes += 1
-        for row, (tokens_b, _, _), (accepted, bonus) in zip(self.rows, trees, verdicts):
-            emitted = row.out.emit([tokens_b[n] for n in accepted[1:]] + [bonus])
-            self.stats.tokens_per_pass.append(len(emitted))
-            self.stats.tree_sizes.append(len(tokens_b))
-        self.target.commit([accepted[-1] for accepted, _ in verdicts])
-        if self.draft is not None:
-            commits = [d.draft_commit(accepted, bonus) for d, (accepted, bonus) in zip(drafted, verdicts)]
-            self.draft.commit([node for node, _ in commits])
-            for row, (_, trunk) in zip(self.rows, commits):
-                row.trunk = trunk
-        self._drop_finished()
+        return self.sampler.scores(self.target.tree_forward(tokens, parents), generated.tolist())
 
-    def _draft_trees(self):
-        """Every row's DraftedTree (None per row without a draft model)."""
-        if self.draft is None:
+    def _draft_trees(self, spec):
+        """Every row's DraftedTree under `spec` (None per row for a plain step or without a draft model)."""
+        if self.draft is None or spec is None:
             return [None] * len(self.rows)
-        programs = [GROW[type(self.spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
-                                                 row.generator), self.spec) for row in self.rows]
+        programs = [GROW[type(spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
+                                            row.generator), spec) for row in self.rows]
         drafted = drive(self.draft, programs)
         self.stats.draft_passes += max(d.passes for d in drafted)
         return drafted
+
+    def _commit_draft(self, drafted, verdicts):
+        """Commit each row's accepted path in the draft and set its trunk; after a plain step the draft is not
+        touched and each row's new token joins its trunk."""
+        if self.draft is None:
+            return
+        if drafted[0] is None:
+            for row, (_, bonus) in zip(self.rows, verdicts):
+                row.trunk.append(bonus)
+            return
+        commits = [d.draft_commit(accepted, bonus) for d, (accepted, bonus) in zip(drafted, verdicts)]
+        self.draft.commit([node for node, _ in commits])
+        for row, (_, trunk) in zip(self.rows, commits):
+            row.trunk = trunk
 
     def _verify(self, scores, trees, drafted):
         """[(accepted node ids, bonus token)] per row from the target's scores (batch, width, vocab)."""

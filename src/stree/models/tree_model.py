@@ -193,6 +193,20 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         logits = torch.cat(logits)[torch.as_tensor(where)]
         return (logits, [features[i] for i in where]) if self.returns_hidden else logits
 
+    def set_slots(self, nodes):
+        """Eager passes: make trees start with `nodes` node slots, smaller or larger than now (the per-node buffers
+        are made anew, at the next pass). A commit's work grows with the slots, so a caller that alternates plain
+        steps and trees (stree.batch) sizes them per round."""
+        if self._compiled or self.pass_width is not None:
+            raise ValueError("set_slots is for eager passes (compiled ones keep their shapes)")
+        if self.tree is not None:
+            raise RuntimeError("the current tree is not committed: call commit() or discard() first")
+        if nodes != self.nodes:
+            self._apply_pending()  # it reads the buffers about to go
+            self.nodes = nodes
+            if self._cache is not None:
+                self._layers = _adapters(self._cache, self.mixers, self.kinds)
+
     def clear(self):
         """Forget the state (and any tree): the next prefill() or add_rows() starts a new one."""
         self._cache = self.tree = self._pending = None

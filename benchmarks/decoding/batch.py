@@ -1,0 +1,181 @@
+"""Batched decoding: HF's batched generate (left padding) vs stree's batched autoregressive loop vs batched tree
+decoding, same run, at several batch sizes with prompts of mixed lengths.
+
+For each batch size B: total tokens/s of every method (ranges over --repeats same-run repeats), tree / stree AR and
+stree AR / HF ratios, tau (tokens per row per round), the trees' mean node count per row, and per-row latency (the
+mean time from the call's start to the row's last token; HF returns every row at the end). The default tree is the
+adaptive one, which sizes each round for the batch (stree.adaptive.BatchSizes): one untimed call per method and size
+warms it up. Prints the device, CPU flags and models, then a table; writes JSON and a PNG to
+benchmarks/results/<machine kind>/.
+
+    python -m benchmarks.decoding.batch                                   # bundled pair, float32, B = 1 4 16 64
+    python -m benchmarks.decoding.batch --large --dtype bfloat16 --batches 1 4 16   # the 0.9B target, bf16
+    python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 61M draft
+"""
+import argparse
+import os
+import time
+
+import torch
+
+from benchmarks.common import device_line, machine_info, model_shape, results_path, write_json, SHORT_DTYPES
+from benchmarks.decoding.generate import LARGE, LARGE_DRAFT
+from stree.batch import Batch
+from stree.demo import demo_pair, held_out_prompts
+from stree.models import inflate_bamba, inflate_mamba2
+from stree.shapes import parse_tree, tree_name
+
+
+def mixed_prompts(tokenizer, batch, shortest, longest, seed):
+    """`batch` held-out code prompts of lengths drawn uniformly in [shortest, longest]."""
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    windows = held_out_prompts(tokenizer, batch, longest, seed=seed)
+    return [w[0, :n] for w, n in zip(windows, lengths.tolist())]
+
+
+def run_stree(model, draft, prompts, new_tokens, tree):
+    """(seconds, new tokens, per-row latencies, tau, mean nodes per row) of one Batch run to the end."""
+    options = {} if draft is None else {"tree": tree}
+    start = time.perf_counter()
+    batch = Batch(model, draft_model=draft, max_new_tokens=new_tokens, **options)
+    ids, latency, tokens = batch.add(prompts), {}, 0
+    while batch.active:
+        batch.step()
+        for i, output in batch.finished().items():
+            latency[i] = time.perf_counter() - start
+            tokens += output.numel() - prompts[ids.index(i)].numel()
+    seconds = time.perf_counter() - start
+    stats = batch.stats
+    nodes = sum(stats.tree_sizes) / max(len(stats.tree_sizes), 1)
+    return seconds, tokens, [latency[i] for i in ids], stats.tau, nodes
+
+
+def run_hf(model, prompts, new_tokens):
+    """The same for HF's batched generate with left padding (tau and nodes: 1)."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=model.device)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    eos = model.generation_config.eos_token_id
+    eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    tokens = 0
+    for row in out[:, width:].tolist():
+        ends = [k for k, t in enumerate(row) if t in eos]
+        tokens += ends[0] + 1 if ends else len(row)
+    return seconds, tokens, [seconds] * len(prompts), 1.0, 1.0
+
+
+def measure_batch(model, draft, prompts, args):
+    """{method: [(seconds, tokens, latencies, tau, nodes)] per repeat}, methods timed round-robin after one
+    untimed call each."""
+    tree = parse_tree(args.tree)
+    methods = {"hf": lambda: run_hf(model, prompts, args.new_tokens),
+               "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None),
+               "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree)}
+    for fn in methods.values():
+        fn()
+    runs = {name: [] for name in methods}
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            runs[name].append(fn())
+    return runs
+
+
+def summarise(batch, runs):
+    """One table row: tokens/s per method (median), ratio ranges, tau, nodes, mean per-row latency."""
+    rate = {name: [tokens / seconds for seconds, tokens, *_ in r] for name, r in runs.items()}
+    ratio = lambda a, b: sorted(x / y for x, y in zip(rate[a], rate[b]))  # noqa: E731 (same-run pairs)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return dict(batch=batch, tok_s={name: median(r) for name, r in rate.items()},
+                tree_vs_ar=ratio("tree", "stree_ar"), ar_vs_hf=ratio("stree_ar", "hf"), tree_vs_hf=ratio("tree", "hf"),
+                tau=median([r[3] for r in runs["tree"]]), nodes=median([r[4] for r in runs["tree"]]),
+                latency_s={name: median([sum(r[2]) / len(r[2]) for r in rs]) for name, rs in runs.items()})
+
+
+def format_table(rows):
+    span = lambda xs: f"{sorted(xs)[len(xs) // 2]:.2f}x ({min(xs):.2f}-{max(xs):.2f})"  # noqa: E731
+    lines = [f"{'B':>3} | {'HF tok/s':>9} | {'AR tok/s':>9} | {'tree tok/s':>10} | {'tree / AR':>18} | "
+             f"{'AR / HF':>18} | {'tau':>5} | {'nodes':>5} | latency s (HF / AR / tree)"]
+    for r in rows:
+        t = r["tok_s"]
+        lines.append(f"{r['batch']:>3} | {t['hf']:>9.1f} | {t['stree_ar']:>9.1f} | {t['tree']:>10.1f} | "
+                     f"{span(r['tree_vs_ar']):>18} | {span(r['ar_vs_hf']):>18} | {r['tau']:>5.2f} | "
+                     f"{r['nodes']:>5.1f} | {r['latency_s']['hf']:.2f} / {r['latency_s']['stree_ar']:.2f} / "
+                     f"{r['latency_s']['tree']:.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows, title, path):
+    """Total tokens/s against the batch size, one line per method."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("hf", "HF generate"), ("stree_ar", "stree AR"), ("tree", "stree tree")):
+        ax.plot([r["batch"] for r in rows], [r["tok_s"][name] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("total tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--dtype", default="float32", choices=list(SHORT_DTYPES))
+    parser.add_argument("--large", action="store_true", help="the bundled target inflated to 0.9B parameters")
+    parser.add_argument("--large-draft", action="store_true", help="with --large, the draft inflated to 61M")
+    parser.add_argument("--tree", default="adaptive", help="the tree (a name stree.shapes.parse_tree reads)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/batch-...)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    machine = machine_info("cpu")
+    print(device_line(machine))
+    dtype = getattr(torch, args.dtype)
+    target, draft, tokenizer = demo_pair(dtype=dtype)
+    if args.large:
+        target = inflate_bamba(target, **LARGE)
+        draft = inflate_mamba2(draft, **LARGE_DRAFT) if args.large_draft else draft
+    print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
+    print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
+          f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.repeats} repeats")
+    name = "-".join(["batch", "large" if args.large else "demo"] + (["draft60m"] if args.large_draft else [])
+                    + [SHORT_DTYPES[args.dtype]])
+    out = args.out or results_path(machine, name + ".json")
+    result = dict(machine, target=model_shape(target), draft=model_shape(draft), dtype=args.dtype, tree=args.tree,
+                  new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, repeats=args.repeats, rows=[],
+                  complete=False)
+    for batch in args.batches:
+        prompts = mixed_prompts(tokenizer, batch, *args.prompt_lens, seed=batch)
+        result["rows"].append(summarise(batch, measure_batch(target, draft, prompts, args)))
+        print(format_table(result["rows"][-1:]) if batch == args.batches[0] else format_table(result["rows"][-1:])
+              .split("\n", 1)[1], flush=True)
+        write_json(out, result)
+    result["complete"] = True
+    write_json(out, result)
+    plot(result["rows"], f"{name} on {machine['machine']}", os.path.splitext(out)[0] + ".png")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""BatchSizes: how large a batched round's trees are, chosen by the throughput measured at the batch's size.
+
+At batch B a target pass over trees of n nodes runs B * n rows, so the size that pays shrinks as B grows (on a CPU a
+16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
+The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
+a plain step and trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
+up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts; its
+neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the fastest arm and follows it
+when it changes (rows leaving, longer contexts).
+"""
+import dataclasses
+
+# (budget, depth) of the smaller trees tried below the spec's own (the smallest a DynamicTree with top_k 3 allows).
+SMALLER = ((3, 2), (6, 3), (10, 4))
+
+
+class BatchSizes:
+    """arms: None (a plain step), then DynamicTrees from small to `spec` itself (fixed: not adaptive)."""
+
+    def __init__(self, spec, explore=8, weight=0.3):
+        full = dataclasses.replace(spec, adaptive=False)
+        self.arms = [None] + [dataclasses.replace(full, budget=b, depth=min(d, spec.depth))
+                              for b, d in SMALLER if spec.top_k <= b < spec.budget] + [full]
+        self.explore, self.weight = explore, weight
+        self.rates = {}   # (size, arm) -> moving average of tokens per second
+        self.rounds = {}  # size -> rounds decided at that size
+        self.seen = {}    # (size, arm) -> rounds measured
+
+    @staticmethod
+    def size(rows):
+        """The batch size `rows` rounded up to a power of two: rates are kept per such size."""
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def choose(self, rows):
+        """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
+        the fastest at the nearest size measured, else the spec's own tree); every `explore` rounds a neighbour of
+        it or the plain step instead (those not measured at this size first), so that the choice climbs to the
+        fastest arm and follows it when it changes."""
+        size = self.size(rows)
+        count = self.rounds[size] = self.rounds.get(size, 0) + 1
+        best = self._fastest(size)
+        if best is None:
+            return len(self.arms) - 1
+        # the plain step too: it drafts nothing, so its rate need not continue the trees' slope
+        others = sorted({arm for arm in (0, best - 1, best + 1) if 0 <= arm < len(self.arms)} - {best})
+        untried = [arm for arm in others if (size, arm) not in self.rates]
+        if untried and self._fastest(size, measured_here=True) is not None:
+            return untried[0]
+        if count % self.explore == 0:
+            return others[(count // self.explore) % len(others)]
+        return best
+
+    def _fastest(self, size, measured_here=False):
+        """The fastest arm measured at `size`, else (unless measured_here) at the nearest size measured; None."""
+        sizes = sorted({s for s, _ in self.rates}, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
+        for known in sizes[:1] if not measured_here else [size] if size in sizes else []:
+            measured = [arm for arm in range(len(self.arms)) if (known, arm) in self.rates]
+            return max(measured, key=lambda arm: self.rates[known, arm])
+        return None
+
+    def observe(self, rows, arm, tokens, seconds):
+        """A round of `rows` rows with arm `arm` emitted `tokens` tokens in `seconds`. An arm's first round at a
+        size is replaced by its second (a first round may pay one-off costs), later ones averaged."""
+        key = (self.size(rows), arm)
+        rate = tokens / max(seconds, 1e-9)
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        self.rates[key] = rate if seen <= 2 else (1 - self.weight) * self.rates[key] + self.weight * rate
