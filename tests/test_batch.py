@@ -68,7 +68,8 @@ class StopAtLength(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=6, depth=4), stree.DynamicTree(adaptive=True), None])
+@pytest.mark.parametrize("tree", [(2, 2, 1), stree.DynamicTree(budget=6, depth=4), stree.DynamicTree(adaptive=True),
+                                  None])
 def test_stopping_criteria_end_rows_at_different_counts(tree):
     """A stopping criterion on the sequence length: rows of different prompt lengths get different numbers of new
     tokens, each equal to HF's with the same criterion (a list input; None = stree's batched autoregressive loop)."""

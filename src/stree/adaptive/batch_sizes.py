@@ -5,8 +5,8 @@ At batch B a target pass over trees of n nodes runs B * n rows, so the size that
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
 a plain step and trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
 up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts; its
-neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the fastest arm and follows it
-when it changes (rows leaving, longer contexts).
+neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the
+fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
 import dataclasses
 

@@ -1,8 +1,8 @@
 """Trees grown level by level on the host: one draft pass per level, its children copied to the host, the next
 level chosen there (every shape, greedy or sampled). Each grow function is a generator run by drafting.rows.drive
-(through Growth.expand's requests), so that the trees of many rows grow in the same batched draft passes. With sampling, a node's children are drawn one after another
-without replacement and the number of children of a node never depends on the children drawn, which keeps
-verification lossless."""
+(through Growth.expand's requests), so that the trees of many rows grow in the same batched draft passes. With
+sampling, a node's children are drawn one after another without replacement and the number of children of a node
+never depends on the children drawn, which keeps verification lossless."""
 import math
 
 from ..adaptive import levels_that_pay
