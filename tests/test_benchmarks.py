@@ -14,7 +14,8 @@ BENCHMARKS = os.path.join(ROOT, "benchmarks")
 GROUPS = ("scan_kernels", "decoding", "tree_search")
 SCRIPTS = ["benchmarks.scan_kernels.tree_kernels", "benchmarks.scan_kernels.selective_scan_methods",
            "benchmarks.scan_kernels.recurrent_trees", "benchmarks.decoding.generate", "benchmarks.decoding.draft_share",
-           "benchmarks.decoding.tree_policy", "benchmarks.decoding.soak", "benchmarks.tree_search.arithmetic_search"]
+           "benchmarks.decoding.tree_policy", "benchmarks.decoding.soak", "benchmarks.decoding.batch",
+           "benchmarks.tree_search.arithmetic_search"]
 
 
 @pytest.fixture

@@ -142,6 +142,11 @@ def test_tree_states_matches_loop(backend, kind, seed, device):
     for b in range(3):
         want = extras["initial_states"][b].double().cpu() if nodes[b] < 0 else all_states[b, nodes[b]]
         assert_close(states[b], want, torch.float32)
+    # in place (a commit): out = initial_states itself gives the same states and returns that tensor
+    held = extras.pop("initial_states").float().clone()
+    again = tree_states(**inputs, nodes=nodes.to(device), **extras, initial_states=held, out=held, backend=backend)
+    assert again is held
+    torch.testing.assert_close(held, states.float(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -115,8 +115,8 @@ class Mamba2Layers:
         x = layer_major[..., :I].reshape(batch, T, n * H, P)
         B = layer_major[..., I:I + GN].reshape(batch, T, n * G, N)
         dt = self.dt.permute(1, 2, 0, 3).reshape(batch, T, n * H)
-        states = tree_states(x, dt, self.A_all, B, index, nodes, initial_states=self.group.recurrent, validate=False)
+        tree_states(x, dt, self.A_all, B, index, nodes, initial_states=self.group.recurrent, validate=False,
+                    out=self.group.recurrent)
         xbc = self.xbc.permute(1, 2, 0, 3).reshape(batch, T, n * width)
         conv = tree_conv_state(xbc, index, nodes, self.group.conv, validate=False)
-        self.group.recurrent.copy_(states)
         self.group.conv.copy_(conv)

@@ -94,12 +94,15 @@ def tree_scan(x, dt, A, B, C, parents, *, D=None, dt_bias=None, dt_softplus=Fals
 
 
 def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
-                dt_limit=(0.0, float("inf")), initial_states=None, backend="auto", validate=True):
+                dt_limit=(0.0, float("inf")), initial_states=None, backend="auto", validate=True, out=None):
     """SSM state after consuming path(nodes[b]) from the initial state: the commit of an accepted node.
 
     Args: as tree_scan (no C or D), plus
         nodes: (batch,) integer accepted node per row, -1 = nothing accepted (the initial state comes back).
         validate: as tree_scan.
+        out: optional (batch, nheads, headdim, dstate) tensor the states are written into and returned; it may
+            be initial_states itself (a commit then updates the state in place, without a second state-sized
+            tensor).
     Returns:
         states: (batch, nheads, headdim, dstate) in initial_states' dtype, or the compute dtype (fp32;
         fp64 for fp64 inputs) when initial_states is None.
@@ -115,5 +118,9 @@ def tree_states(x, dt, A, B, parents, nodes, *, dt_bias=None, dt_softplus=False,
     kwargs = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, initial_states=initial_states)
     if resolve_backend(backend, x) == "triton":
         from . import tree_scan_triton
-        return tree_scan_triton.tree_states(*args, **kwargs).to(out_dtype)
-    return tree_scan_torch.tree_states(*args, **kwargs).to(out_dtype)
+        states = tree_scan_triton.tree_states(*args, **kwargs)
+    elif out is not None and out.dtype == compute_dtype(x) and out.is_contiguous():
+        return tree_scan_torch.tree_states(*args, **kwargs, out=out)
+    else:
+        states = tree_scan_torch.tree_states(*args, **kwargs)
+    return states.to(out_dtype) if out is None else out.copy_(states)

@@ -49,13 +49,14 @@ def tree_scan(x, dt, A, B, C, index, *, D=None, dt_bias=None, dt_softplus=False,
 
 
 def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
-                dt_limit=(0.0, float("inf")), initial_states=None):
-    """See tree_scan.tree_states. Returns states (batch, nheads, headdim, dstate) in the compute dtype."""
+                dt_limit=(0.0, float("inf")), initial_states=None, out=None):
+    """See tree_scan.tree_states. Returns states (batch, nheads, headdim, dstate) in the compute dtype, written into
+    `out` when given (a contiguous tensor of the compute dtype; it may be initial_states itself)."""
     cd = compute_dtype(x)
     batch, T, nheads, headdim = x.shape
     if T == 0:  # nothing can be accepted: the initial state comes back
         if initial_states is not None:
-            return initial_states.to(cd)
+            return initial_states.to(cd) if out is None else _into(out, initial_states)
         return torch.zeros(batch, nheads, headdim, B.shape[-1], dtype=cd, device=x.device)
     dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     rows = torch.arange(batch, device=x.device)
@@ -67,10 +68,20 @@ def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
     weight = torch.exp(log_w) * dt                                                 # (batch, T, nheads)
     # One GEMM per group: (heads_in_group * headdim, T) @ (T, dstate), nothing of size T x state materialised.
     ngroups, dstate = B.shape[2:]
-    xw = (as_dtype(x, cd) * weight[..., None]).view(batch, T, ngroups, -1)          # (batch, T, G, heads*P)
-    states = torch.matmul(xw.permute(0, 2, 3, 1), as_dtype(B, cd).transpose(1, 2))   # (batch, G, heads*P, N)
-    states = states.view(batch, nheads, headdim, dstate)
+    xw = (as_dtype(x, cd) * weight[..., None]).view(batch, T, ngroups, -1).permute(0, 2, 3, 1)  # (b, G, heads*P, T)
+    Bt = as_dtype(B, cd).transpose(1, 2)                                                        # (b, G, T, N)
     if initial_states is None:
-        return states
+        return torch.matmul(xw, Bt).view(batch, nheads, headdim, dstate)
     carry = torch.where(accepted[:, None], torch.exp(s_node), torch.ones_like(s_node))
-    return states.addcmul_(carry[..., None, None], as_dtype(initial_states, cd))
+    if out is None:
+        return torch.matmul(xw, Bt).view(batch, nheads, headdim, dstate).addcmul_(
+            carry[..., None, None], as_dtype(initial_states, cd))
+    # In place: a new state the size of the old one (tens of MB at batch > 1) costs its allocation and a copy.
+    _into(out, initial_states).mul_(carry[..., None, None])
+    out.view(batch * ngroups, -1, dstate).baddbmm_(xw.reshape(batch * ngroups, -1, T), Bt.reshape(-1, T, dstate))
+    return out
+
+
+def _into(out, initial_states):
+    """`out` holding initial_states (no copy when they are one tensor)."""
+    return out if out is initial_states else out.copy_(initial_states)
