@@ -91,7 +91,7 @@ def enable(model, *, tree=DEFAULT_TREE, compile=False):
         batch = is_batch(input_ids, attention_mask)  # batches run eager passes (stree.batch)
         return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max_new,
                         min_new_tokens=min_new, eos_token_id=config.eos_token_id, tree=tree, streamer=streamer,
-                        stopping_criteria=stopping_criteria, compile=stree_compile and not batch,
+                        stopping_criteria=stopping_criteria, compile=False if batch else stree_compile,
                         attention_mask=attention_mask if batch else None, pad_token_id=config.pad_token_id,
                         **sampling)
 
