@@ -3,24 +3,31 @@
 At batch B a target pass over trees of n nodes runs B * n rows, so the size that pays shrinks as B grows (on a CPU a
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
-a plain step and trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
+a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
 up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts; its
 neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the
 fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
 import dataclasses
 
-# (budget, depth) of the smaller trees tried below the spec's own (the smallest a DynamicTree with top_k 3 allows).
-SMALLER = ((3, 2), (6, 3), (10, 4))
+from ..shapes import StaticTree
+
+# The arms below the spec's own tree: chains of 1 and 2 drafts (at a large batch the cheapest speculation pays
+# best: measured on the 0.9B target at B = 4, chain-2 beat a 3-node DynamicTree), then smaller dynamic trees
+# (budget, depth).
+CHAINS = ((1,), (1, 1))
+SMALLER = ((6, 3), (10, 4))
 
 
 class BatchSizes:
-    """arms: None (a plain step), then DynamicTrees from small to `spec` itself (fixed: not adaptive)."""
+    """arms: None (a plain step), chains of 1 and 2 drafts, then DynamicTrees from small to `spec` itself (fixed:
+    not adaptive), in growing node count."""
 
     def __init__(self, spec, explore=8, weight=0.3):
         full = dataclasses.replace(spec, adaptive=False)
-        self.arms = [None] + [dataclasses.replace(full, budget=b, depth=min(d, spec.depth))
-                              for b, d in SMALLER if spec.top_k <= b < spec.budget] + [full]
+        self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
+            dataclasses.replace(full, budget=b, depth=min(d, spec.depth))
+            for b, d in SMALLER if spec.top_k <= b < spec.budget] + [full]
         self.explore, self.weight = explore, weight
         self.rates = {}   # (size, arm) -> moving average of tokens per second
         self.rounds = {}  # size -> rounds decided at that size
