@@ -226,8 +226,11 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
             chosen.append(arm)
         return chosen
 
-    chosen = run(4, [10, 20, 30, 25, 15, 5], 40)  # the spec's tree first, then down the slope to arm 2
+    assert run(1, [10, 20, 30, 25, 15, 40], 1) == [5]  # one row, nothing measured: the spec's own tree
+    chosen = run(4, [10, 20, 30, 25, 15, 5], 40)  # from size 1's fastest down the slope to arm 2
     assert chosen[0] == 5 and chosen[-16:].count(2) >= 14
+    fresh = BatchSizes(stree.DynamicTree(adaptive=True))
+    assert fresh.choose(8) == 0  # several rows, nothing measured: a plain step first
     assert run(16, [50, 20, 30, 25, 15, 5], 1) == [2]  # a new size starts from size 4's fastest
     chosen = run(16, [50, 20, 30, 25, 15, 5], 40)
     assert chosen[-16:].count(0) >= 14  # ... and jumps to the plain step past a slower arm 1

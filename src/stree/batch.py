@@ -46,10 +46,10 @@ class Row:
 
 class Batch:
     """Rows decoded together (see the module's docstring). Arguments as stree.generate's; rows may join between
-    steps. An adaptive tree (the default) sizes each round for the batch: a plain step or a tree from small to the
-    spec's own, whichever gave the most tokens per second at this batch size (adaptive.BatchSizes, kept for the
-    model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). Passes are
-    eager."""
+    steps. An adaptive tree (the default) sizes each round for the batch: a plain step, a short chain or a tree up
+    to the spec's own, whichever gave the most tokens per second at this batch size (adaptive.BatchSizes, kept for
+    the model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). Passes
+    are eager; the draft is a draft model (not a draft head)."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):

@@ -4,7 +4,8 @@ At batch B a target pass over trees of n nodes runs B * n rows, so the size that
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
 a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
-up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts; its
+up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts (with
+nothing measured: the spec's tree for one row, a plain step for more); its
 neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the
 fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
@@ -40,14 +41,15 @@ class BatchSizes:
 
     def choose(self, rows):
         """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
-        the fastest at the nearest size measured, else the spec's own tree); every `explore` rounds a neighbour of
+        the fastest at the nearest size measured, else the spec's own tree for one row and a plain step for more:
+        every node of a batch's tree costs rows); every `explore` rounds a neighbour of
         it or the plain step instead (those not measured at this size first), so that the choice climbs to the
         fastest arm and follows it when it changes."""
         size = self.size(rows)
         count = self.rounds[size] = self.rounds.get(size, 0) + 1
         best = self._fastest(size)
-        if best is None:
-            return len(self.arms) - 1
+        if best is None:  # nothing measured yet: one row, the spec's tree; more, a plain step (then climb)
+            return len(self.arms) - 1 if size == 1 else 0
         # the plain step too: it drafts nothing, so its rate need not continue the trees' slope
         others = sorted({arm for arm in (0, best - 1, best + 1) if 0 <= arm < len(self.arms)} - {best})
         untried = [arm for arm in others if (size, arm) not in self.rates]
