@@ -21,7 +21,9 @@ DIR/summary.json are rewritten after every step.
                  inflated to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager
                  and compiled, and the tree-pass cost curves at the Mamba2-2.7B and Nemotron-H-8B shapes
                                                                                   -> step3-generate-<name>.json
-Steps 2 and 3 run their scripts as modules from the repository root (python -m benchmarks...), as
+  4 batch        benchmarks/decoding/batch.py: batched decoding of the 0.9B target at B = 1, 4, 16, 64 against HF's
+                 batched generate and stree's batched autoregressive loop                   -> step4-batch.json
+Steps 2 to 4 run their scripts as modules from the repository root (python -m benchmarks...), as
 benchmarks/README.md says to. The compile check writes benchmarks/results/<machine kind>/gpu-compile.json.
 """
 import argparse
@@ -65,6 +67,11 @@ GENERATE_RUNS = {
     "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
                                None, (35, 0)),
 }
+# ---- Step 4: benchmarks/decoding/batch.py (batched decoding at B = 1..64): (GPU arguments, dry-run arguments,
+# budgets in seconds (GPU, dry)).
+BATCH_RUN = (["--large", "--dtype", "bfloat16", "--batches", "1", "4", "16", "64", "--repeats", "1",
+              "--new-tokens", "32"],
+             ["--batches", "2", "--new-tokens", "3", "--repeats", "1", "--prompt-lens", "4", "8"], (60, 90))
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and tree_kernels.py's arguments. ----------
 BUDGETS = {"equivalence": (90, 120), "kernels": (30, 120)}  # dry-run budgets: a safety net on a loaded CPU
 KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
@@ -346,6 +353,9 @@ def plan(out, dry):
         path = os.path.join(out, f"step3-generate-{name}.json")
         steps.append((f"generate:{name}", [sys.executable, "-m", "benchmarks.decoding.generate",
                                            *arguments, "--out", path], budgets[dry], path))
+    batch_json = os.path.join(out, "step4-batch.json")
+    steps.append(("batch", [sys.executable, "-m", "benchmarks.decoding.batch", *BATCH_RUN[dry], "--out", batch_json],
+                  BATCH_RUN[2][dry], batch_json))
     return steps
 
 
@@ -367,6 +377,9 @@ def headline(name, path):
             return "; ".join(f"{r['shape']} T={r['T']}: tree/step1 {r['ratios']['tree_over_step1']:.2f}, "
                              f"tree/hf_chunk {r['ratios']['tree_over_hf_chunk']:.2f}"
                              for r in data["results"] if r["T"] in (4, 16))
+        if name == "batch":
+            return "; ".join(f"B={r['batch']}: tree {r['tree_vs_ar'][len(r['tree_vs_ar']) // 2]:.2f}x stree AR, "
+                             f"AR {r['ar_vs_hf'][len(r['ar_vs_hf']) // 2]:.2f}x HF" for r in data["rows"])
         parts = ["partial"] if data.get("complete") is False else []
         parts += [f"{o['target']} {o['dtype']}: 16-node pass " + ", ".join(
             f"{t['ratio']:.2f}x HF's step" for t in o["trees"] if t["nodes"] == 16) for o in data.get("overhead", [])]

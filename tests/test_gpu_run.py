@@ -23,7 +23,7 @@ def test_dry_run_writes_every_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] and [s["step"] for s in summary["steps"]] == \
-        ["equivalence", "kernels", "generate:bundled-pair"]
+        ["equivalence", "kernels", "generate:bundled-pair", "batch"]
     assert all(s["status"] == "ok" and s["json"] for s in summary["steps"]), summary["steps"]
     equivalence = json.loads((out / "step1-equivalence.json").read_text())
     assert equivalence["ok"] and equivalence["pytest"]["passed"] > 0 and equivalence["pytest"]["failed"] == 0
@@ -36,6 +36,7 @@ def test_dry_run_writes_every_step(tmp_path):
     assert step2["backend"] == "triton" and all("hf_chunk" in r["times_ms"] for r in step2["results"])
     generate = json.loads((out / "step3-generate-bundled-pair.json").read_text())
     assert generate["overhead"] and generate["tables"]
+    assert [r["batch"] for r in json.loads((out / "step4-batch.json").read_text())["rows"]] == [2]
     assert "| equivalence | ok |" in (out / "summary.md").read_text()
 
 

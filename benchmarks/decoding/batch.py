@@ -33,9 +33,15 @@ def mixed_prompts(tokenizer, batch, shortest, longest, seed):
     return [w[0, :n] for w, n in zip(windows, lengths.tolist())]
 
 
+def synchronize(model):
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_stree(model, draft, prompts, new_tokens, tree):
     """(seconds, new tokens, per-row latencies, tau, mean nodes per row) of one Batch run to the end."""
     options = {} if draft is None else {"tree": tree}
+    synchronize(model)
     start = time.perf_counter()
     batch = Batch(model, draft_model=draft, max_new_tokens=new_tokens, **options)
     ids, latency, tokens = batch.add(prompts), {}, 0
@@ -44,6 +50,7 @@ def run_stree(model, draft, prompts, new_tokens, tree):
         for i, output in batch.finished().items():
             latency[i] = time.perf_counter() - start
             tokens += output.numel() - prompts[ids.index(i)].numel()
+    synchronize(model)
     seconds = time.perf_counter() - start
     stats = batch.stats
     nodes = sum(stats.tree_sizes) / max(len(stats.tree_sizes), 1)
@@ -57,9 +64,11 @@ def run_hf(model, prompts, new_tokens):
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+    synchronize(model)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    synchronize(model)
     seconds = time.perf_counter() - start
     eos = model.generation_config.eos_token_id
     eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
@@ -142,6 +151,7 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/batch-...)")
     return parser.parse_args(argv)
 
@@ -149,13 +159,14 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(0)
-    machine = machine_info("cpu")
+    machine = machine_info(args.device)
     print(device_line(machine))
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = demo_pair(dtype=dtype)
     if args.large:
         target = inflate_bamba(target, **LARGE)
         draft = inflate_mamba2(draft, **LARGE_DRAFT) if args.large_draft else draft
+    target, draft = target.to(args.device), draft.to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.repeats} repeats")
