@@ -67,6 +67,7 @@ class Batch:
             self.sizes = kept_costs(model).setdefault(key, BatchSizes(self.spec))
         self.target = TreeModel(model, nodes=target_nodes)  # node slots: a pass's buffers and a commit's work
         self.draft = None if draft_model is None else TreeModel(draft_model, nodes=self.draft_nodes)
+        self.drafting = False  # whether the draft holds the rows' states (prefilled at the first speculative round)
         self.vocab, self.device = vocab_size(model), model.device
         self.rows, self._done, self._next_id = [], {}, 0
         self.stats = GenerationStats()
@@ -102,7 +103,7 @@ class Batch:
             self._done.update((row.id, row.out.sequence()[0]) for row in new)
             return new[0].id if single else [row.id for row in new]
         logits = self.target.add_rows(prompts, max_length=max_length)
-        if self.draft is not None:
+        if self.drafting:
             self.draft.add_rows(prompts, max_length=max_length)
         scores = self.sampler.scores(logits, 0)
         for row, row_scores in zip(new, scores):
@@ -129,6 +130,8 @@ class Batch:
         self.target.set_slots(target_nodes)
         if spec is not None:
             self.draft.set_slots(draft_nodes)
+            if not self.drafting:
+                self._start_draft()
         drafted = self._draft_trees(spec)
         trees = [(d.target_tokens, d.target_parents, d.target_depth) if d is not None else
                  ([row.out.generated[-1]], [-1], [0]) for row, d in zip(self.rows, drafted)]
@@ -165,6 +168,17 @@ class Batch:
             tokens[b, :len(row_tokens)], parents[b, :len(row_parents)] = row_tokens, row_parents
             generated[b, :len(depth)] = len(row.out.generated) + np.asarray(depth)
         return self.sampler.scores(self.target.tree_forward(tokens, parents), generated.tolist())
+
+    def _start_draft(self):
+        """Prefill the draft with every row's tokens but the last emitted (its trunk): until a round speculates the
+        draft holds nothing, so a batch whose rounds are all plain steps never pays the draft's prefill."""
+        sequences = [torch.cat([row.out.input_ids[0], row.out.input_ids.new_tensor(row.out.generated[:-1])])
+                     for row in self.rows]
+        max_length = max(s.numel() for s in sequences) + self.max_new_tokens + self.draft_nodes
+        self.draft.add_rows(sequences, max_length=max_length)
+        for row in self.rows:
+            row.trunk = row.out.generated[-1:]
+        self.drafting = True
 
     def _draft_trees(self, spec):
         """Every row's DraftedTree under `spec` (None per row for a plain step or without a draft model)."""
@@ -210,9 +224,10 @@ class Batch:
         self.stats.new_tokens += sum(len(row.out.generated) for row in self.rows if row.out.done)
         self._done.update((row.id, row.out.sequence()[0]) for row in self.rows if row.out.done)
         self.rows = [self.rows[b] for b in keep]
-        for model in (self.target, self.draft):
-            if model is not None:
-                model.keep_rows(keep) if keep else model.clear()
+        self.target.keep_rows(keep) if keep else self.target.clear()
+        if self.drafting:
+            self.draft.keep_rows(keep) if keep else self.draft.clear()
+            self.drafting = bool(keep)
 
 
 def _per_row(generators, count):

@@ -6,8 +6,8 @@ The batch-1 cost model (RoundCosts) prices single passes; here the round as a wh
 a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
 up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts (with
 nothing measured: the spec's tree for one row, a plain step for more); its
-neighbours and the plain step are tried next, and again every `explore` rounds, so the choice climbs to the
-fastest arm and follows it when it changes (rows leaving, longer contexts).
+neighbours and the plain step are tried next, and again from time to time (more rarely while the fastest stays the
+same), so the choice climbs to the fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
 import dataclasses
 
@@ -33,6 +33,8 @@ class BatchSizes:
         self.rates = {}   # (size, arm) -> moving average of tokens per second
         self.rounds = {}  # size -> rounds decided at that size
         self.seen = {}    # (size, arm) -> rounds measured
+        self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
+        self.explored = {}  # size -> explorations so far
 
     @staticmethod
     def size(rows):
@@ -42,9 +44,11 @@ class BatchSizes:
     def choose(self, rows):
         """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
         the fastest at the nearest size measured, else the spec's own tree for one row and a plain step for more:
-        every node of a batch's tree costs rows); every `explore` rounds a neighbour of
-        it or the plain step instead (those not measured at this size first), so that the choice climbs to the
-        fastest arm and follows it when it changes."""
+        every node of a batch's tree costs rows); now and then a neighbour of it or the plain step instead (those
+        not measured at this size first), so that the choice climbs to the fastest arm and follows it when it
+        changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 8 x
+        explore), back to `explore` when it changed; halfway between, an arm measured in a single round gets a
+        second one."""
         size = self.size(rows)
         count = self.rounds[size] = self.rounds.get(size, 0) + 1
         best = self._fastest(size)
@@ -55,8 +59,15 @@ class BatchSizes:
         untried = [arm for arm in others if (size, arm) not in self.rates]
         if untried and self._fastest(size, measured_here=True) is not None:
             return untried[0]
-        if count % self.explore == 0:
-            return others[(count // self.explore) % len(others)]
+        interval, due, last_best = self.schedule.get(size, (self.explore, self.explore, best))
+        if count >= due:  # explore; less often while the fastest stays the same (at most every 8 x explore)
+            interval = min(2 * interval, 8 * self.explore) if best == last_best else self.explore
+            self.schedule[size] = (interval, count + interval, best)
+            self.explored[size] = self.explored.get(size, 0) + 1
+            return others[self.explored[size] % len(others)]
+        once = [arm for arm in range(len(self.arms)) if self.seen.get((size, arm)) == 1 and arm not in others]
+        if once and count == due - interval // 2:
+            return once[0]  # a single round is a poor measure (it may have paid one-off costs): one more
         return best
 
     def _fastest(self, size, measured_here=False):
