@@ -544,7 +544,7 @@ def test_ragged_rows_equal_each_row_decoded_alone(family):
     (keep_rows) and a new row joins (add_rows on a running batch)."""
     model = tiny_model(family, dtype=torch.float64)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (3, 7, 5)]
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (5, 3, 5)]  # equal lengths prefill together
     tm = TreeModel(model)
     # HF's fp32 steps inside float64 models drift further over the longer sequences here than in one tree's test
     first, tol = tm.add_rows(prompts, max_length=40), 1e-4 if family in FP32_IN_HF else 1e-6

@@ -274,7 +274,7 @@ def generate_batch(model, input_ids, *, draft_model, max_new_tokens, attention_m
                    generator=None, return_stats=False, **options):
     """stree.generate on a batch (its docstring): every row decoded by a Batch. Returns (B, P + n) token ids, each
     row its input row then its new tokens, right-padded with pad_token_id (default: the generation config's, else
-    the first EOS id), and the Batch's GenerationStats when return_stats."""
+    the smallest EOS id), and the Batch's GenerationStats when return_stats."""
     prompts, padded = batch_prompts(input_ids, attention_mask)
     batch = Batch(model, draft_model=draft_model, max_new_tokens=max_new_tokens, **options)
     start = time.perf_counter()

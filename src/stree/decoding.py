@@ -333,7 +333,7 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         costs: the stree.adaptive.RoundCosts an adaptive tree decides with (updated in place; timed first if it
             holds no timings). None = the one stree keeps for this target and setting (stree.adaptive.kept_costs).
         attention_mask / pad_token_id: batches only. pad_token_id pads rows that end early (default: the
-            generation config's, else the first EOS id).
+            generation config's, else the smallest EOS id).
     Returns:
         (1, P + n) token ids (prompt + new tokens), and the stats when return_stats; a batch: (B, P + n), each row
         its input row then its new tokens, right-padded with pad_token_id, as HF's generate returns a batch.

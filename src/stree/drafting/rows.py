@@ -47,8 +47,9 @@ def _feed(draft, asks):
     wanted = [None if ask is None else [ask.new.index(n) for n in ask.nodes] for ask in asks]
     asked = [w for w in wanted if w is not None]
     rows = asked[0] if all(w == asked[0] for w in asked) else sorted({p for w in asked for p in w})
-    features = asks[0].growth.features if len(asks) == 1 else None  # a head's first pass (batch 1 only)
-    run = draft.tree_forward if draft.tree is None else draft.extend
+    first = draft.tree is None
+    features = asks[0].growth.features if first and len(asks) == 1 else None  # a head's first pass (batch 1 only)
+    run = draft.tree_forward if first else draft.extend
     logits = run(tokens, parents, logits_for=rows, features=features)                    # (batch, K, vocab)
     if rows is asked[0]:
         return [None if w is None else logits[b] for b, w in enumerate(wanted)]

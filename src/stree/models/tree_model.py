@@ -188,8 +188,11 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             logits.append(out)
             features += [] if feats is None else list(feats)
         capacity = max(c.capacity or 0 for c in caches)
-        self._use(StateCache.concat(caches, capacity), weights)
-        where = np.argsort(order)
+        cache, where = StateCache.concat(caches, capacity), np.argsort(order)  # new rows in group order: put them
+        if not np.array_equal(where, np.arange(len(prompts))):                # back in prompt order
+            old = cache.batch - len(prompts)
+            cache = cache.select(torch.as_tensor(np.concatenate([np.arange(old), old + where]), device=self.device))
+        self._use(cache, weights)
         logits = torch.cat(logits)[torch.as_tensor(where)]
         return (logits, [features[i] for i in where]) if self.returns_hidden else logits
 

@@ -57,7 +57,8 @@ def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
     if T == 0:  # nothing can be accepted: the initial state comes back
         if initial_states is not None:
             return initial_states.to(cd) if out is None else _into(out, initial_states)
-        return torch.zeros(batch, nheads, headdim, B.shape[-1], dtype=cd, device=x.device)
+        zeros = torch.zeros(batch, nheads, headdim, B.shape[-1], dtype=cd, device=x.device)
+        return zeros if out is None else out.zero_()
     dt, mask, s = tree_decay(dt, A, index, dt_bias, dt_softplus, dt_limit, cd)
     rows = torch.arange(batch, device=x.device)
     accepted = nodes >= 0
@@ -71,7 +72,8 @@ def tree_states(x, dt, A, B, index, nodes, *, dt_bias=None, dt_softplus=False,
     xw = (as_dtype(x, cd) * weight[..., None]).view(batch, T, ngroups, -1).permute(0, 2, 3, 1)  # (b, G, heads*P, T)
     Bt = as_dtype(B, cd).transpose(1, 2)                                                        # (b, G, T, N)
     if initial_states is None:
-        return torch.matmul(xw, Bt).view(batch, nheads, headdim, dstate)
+        states = torch.matmul(xw, Bt).view(batch, nheads, headdim, dstate)
+        return states if out is None else out.copy_(states)
     carry = torch.where(accepted[:, None], torch.exp(s_node), torch.ones_like(s_node))
     if out is None:
         return torch.matmul(xw, Bt).view(batch, nheads, headdim, dstate).addcmul_(
