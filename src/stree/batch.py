@@ -23,7 +23,7 @@ import torch
 from .adaptive import kept_costs
 from .adaptive.batch_sizes import BatchSizes
 from .checks import check_token_ids, vocab_size
-from .decoding import DEFAULT_TREE, Output, check_count, check_inputs, eos_ids
+from .decoding import DEFAULT_TREE, Output, check_count, check_models, eos_ids
 from .drafting import Growth, drive
 from .drafting.host import GROW
 from .heads.head import DraftHead
@@ -53,7 +53,9 @@ class Batch:
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):
-        check_inputs(model, draft_model, torch.zeros(1, 1, dtype=torch.long), max_new_tokens, min_new_tokens)
+        check_models(model, draft_model)
+        check_count("max_new_tokens", max_new_tokens)
+        check_count("min_new_tokens", min_new_tokens)
         if isinstance(draft_model, DraftHead):
             raise ValueError("batched decoding drafts with a draft model; draft heads decode one row at a time")
         self.spec = tree_spec(tree) if draft_model is not None else None

@@ -374,9 +374,7 @@ def is_batch(input_ids, attention_mask):
 
 def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
     """input_ids as a (1, P) int64 tensor on the model's device, after checking every argument that shapes it."""
-    for name, value in (("model", model), ("draft_model", draft_model)):
-        if value is not None and not (isinstance(value, torch.nn.Module) and hasattr(value, "config")):
-            raise TypeError(f"{name} must be an HF causal LM (a PreTrainedModel), got {type(value).__name__}")
+    check_models(model, draft_model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("input_ids must be an integer tensor of shape (1, prompt_length)")
     if input_ids.dim() == 1:
@@ -385,19 +383,26 @@ def check_inputs(model, draft_model, input_ids, max_new_tokens, min_new_tokens):
         raise ValueError(f"input_ids must have shape (1, prompt_length >= 1), got {tuple(input_ids.shape)}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"stree.generate decodes one sequence at a time (batch 1), got batch {input_ids.shape[0]}")
-    vocab = vocab_size(model)
-    check_token_ids("input_ids", input_ids, vocab)
+    check_token_ids("input_ids", input_ids, vocab_size(model))
     check_count("max_new_tokens", max_new_tokens)
     check_count("min_new_tokens", min_new_tokens)
+    return input_ids.long().to(model.device)
+
+
+def check_models(model, draft_model):
+    """TypeError / ValueError unless `model` is an HF causal LM and `draft_model` (or None) one with its vocabulary,
+    or a draft head made for it."""
+    for name, value in (("model", model), ("draft_model", draft_model)):
+        if value is not None and not (isinstance(value, torch.nn.Module) and hasattr(value, "config")):
+            raise TypeError(f"{name} must be an HF causal LM (a PreTrainedModel), got {type(value).__name__}")
     shares = lambda head: (head.inner.get_input_embeddings() is model.get_input_embeddings()  # noqa: E731
                            and head.inner.get_output_embeddings() is model.get_output_embeddings())
     if isinstance(draft_model, DraftHead) and not shares(draft_model):
         raise ValueError("the draft head was made for another model: a head drafts with its target's embedding and LM "
                          "head (DraftHead.from_pretrained(path, target=model) loads it for this one)")
-    if draft_model is not None and vocab_size(draft_model) != vocab:
+    if draft_model is not None and vocab_size(draft_model) != vocab_size(model):
         raise ValueError(f"the draft's vocabulary ({vocab_size(draft_model)}) differs from the target's "
-                         f"({vocab}); they must share a tokenizer")
-    return input_ids.long().to(model.device)
+                         f"({vocab_size(model)}); they must share a tokenizer")
 
 
 def check_count(name, value):

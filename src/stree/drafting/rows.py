@@ -37,7 +37,8 @@ def drive(draft, programs):
 def _feed(draft, asks):
     """One draft pass over every row's new nodes (Feeds; None: the row only pads). Returns, per asking row, the
     logits (len(ask.nodes), vocab) of the nodes it asked about."""
-    first_id = 0 if draft.tree is None else draft.tree.n
+    first = draft.tree is None  # the round's first pass: a new tree
+    first_id = 0 if first else draft.tree.n
     fed = [([], []) if ask is None else ask.growth.feed(ask.new, first_id) for ask in asks]
     width = max(len(tokens) for tokens, _ in fed)
     tokens = np.zeros((len(asks), width), dtype=np.int64)
@@ -47,7 +48,6 @@ def _feed(draft, asks):
     wanted = [None if ask is None else [ask.new.index(n) for n in ask.nodes] for ask in asks]
     asked = [w for w in wanted if w is not None]
     rows = asked[0] if all(w == asked[0] for w in asked) else sorted({p for w in asked for p in w})
-    first = draft.tree is None
     features = asks[0].growth.features if first and len(asks) == 1 else None  # a head's first pass (batch 1 only)
     run = draft.tree_forward if first else draft.extend
     logits = run(tokens, parents, logits_for=rows, features=features)                    # (batch, K, vocab)

@@ -208,7 +208,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             self._apply_pending()  # it reads the buffers about to go
             self.nodes = nodes
             if self._cache is not None:
-                self._layers = _adapters(self._cache, self.mixers, self.kinds)
+                self._use(self._cache, self._weights)
 
     def clear(self):
         """Forget the state (and any tree): the next prefill() or add_rows() starts a new one."""
