@@ -3,27 +3,28 @@ command that measures everything the first few minutes a GPU is lent.
 
     python benchmarks/gpu.py --compile-only          # any machine: every Triton kernel launch compiled for sm_80
                                                      # and sm_90; registers, spills, shared memory, fits or not
-    python benchmarks/gpu.py --out DIR               # a CUDA machine: the three steps below, < 10 min on one H200
+    python benchmarks/gpu.py --out DIR               # a CUDA machine: the steps below, at most 8 min on one H200
     python benchmarks/gpu.py --out DIR --dry-run     # the same steps on CPU at tiny sizes, Triton interpreted
-    (a GPU machine without internet and with transformers < 5.24: docs/gpu.md says what to carry there)
+    (a GPU machine without internet: benchmarks/gpu_wheels.sh and docs/gpu.md say what to carry there)
 
-Each step runs as a subprocess under its own time budget (BUDGETS, GENERATE_RUNS) and writes its JSON into DIR as
-soon as it finishes, so a step that fails or overruns loses nothing written before it; DIR/summary.md and
-DIR/summary.json are rewritten after every step.
+Each step runs as a subprocess under its own time budget (BUDGETS, RUNS; TOTAL_BUDGET bounds their sum) and writes
+its JSON into DIR as soon as it finishes, so a step that fails or overruns loses nothing written before it;
+DIR/summary.md and DIR/summary.json (the steps, and one record per measured case: tokens/s of HF generate, stree's
+autoregressive loop and the tree, tau, host syncs per round) are rewritten after every step.
   1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device); the TreeModel's
                  tree pass and stree.generate on tiny CUDA models of seven families against HF's own decoding;
                  then the Mamba2 kernels at the real layer shapes of aot.MODEL_SHAPES: Triton vs the PyTorch
                  reference vs the naive loops of tests/loops.py, in fp32, bf16 and fp16  -> step1-equivalence.json
   2 kernels      benchmarks/scan_kernels/tree_kernels.py: a T-node tree scan vs one decode step, T steps, unrolled
-                 paths and HF's chunked scan over T tokens (mamba_ssm's too when importable), T in 1, 16, 64, 128
-                                                                                          -> step2-kernels.json
-  3 generate     benchmarks/decoding/generate.py once per GENERATE_RUNS entry: the bundled pair (and its target
-                 inflated to 0.9B) in bf16 at T=0 and 1 against HF generate and stree's autoregressive loop, eager
-                 and compiled, and the tree-pass cost curves at the Mamba2-2.7B and Nemotron-H-8B shapes
-                                                                                  -> step3-generate-<name>.json
-  4 batch        benchmarks/decoding/batch.py: batched decoding of the 0.9B target at B = 1, 4, 16, 64 against HF's
-                 batched generate and stree's batched autoregressive loop                   -> step4-batch.json
-Steps 2 to 4 run their scripts as modules from the repository root (python -m benchmarks...), as
+                 paths, HF's chunked scan and mamba_ssm's chunk scan over T tokens, T in 1, 16, 64; a Gated
+                 DeltaNet layer over T nodes vs fla's chunk kernel (anchors when carried)  -> step2-kernels.json
+  3 generate     benchmarks/decoding/generate.py: the bundled pair inflated to 8.9B / 364M parameters, bf16, eager,
+                 T=0 and 1, against HF generate and stree's autoregressive loop, trees drafted by the draft and by
+                 the inflated bundled head                                     -> step3-generate-8b-pair.json
+  4 batch        benchmarks/decoding/batch.py: the same pair at B = 1 and 16   -> step4-batch-8b-pair.json
+  5 compiled     generate.py as in 3 with torch.compile'd passes (CUDA graphs)
+                                                                        -> step5-generate-8b-pair-compiled.json
+Steps 2 on run their scripts as modules from the repository root (python -m benchmarks...), as
 benchmarks/README.md says to. The compile check writes benchmarks/results/<machine kind>/gpu-compile.json.
 """
 import argparse
@@ -32,6 +33,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -42,44 +44,37 @@ ROOT = os.path.dirname(HERE)
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# ---- Step 3: benchmarks/decoding/generate.py's command lines, written here only (its owner is adding flags). --
-# name: (arguments on a GPU, arguments for --dry-run or None: tiny built-in presets and a few tokens,
-#        budget in seconds (GPU, dry)). generate.py puts its PNG beside its --out JSON.
-GENERATE_RUNS = {
-    # the bundled target's trees come twice: drafted by the bundled draft and by its head ("head <tree>" rows)
-    "bundled-pair": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16", "--large",
-                      "--temperatures", "0", "1", "--prompts", "2", "--repeats", "2", "--max-new-tokens", "64",
-                      "--trees", "dynamic-16", "adaptive"],
-                     ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--trees", "chain-4", "--dtypes",
-                      "float32", "--temperatures", "0", "--prompts", "1", "--prompt-len", "8", "--max-new-tokens",
-                      "4", "--repeats", "1"],
-                     (120, 150)),
-    # a fixed tree (its levels grown in one call: one graph replay a round) and the default adaptive one, then profiled:
-    # on the first H200 run (2026-12-04) compiling four methods' passes took over 270 s; on the second, HF + the AR
-    # loop + DynamicTree(16) took 132 s. (Eager drafting both ways was measured on the second run: the host won,
-    # 1.52x against 1.28x HF generate.)
-    "bundled-pair-compiled": (["--target", "demo-target", "--draft", "demo-draft", "--dtypes", "bfloat16",
-                               "--temperatures", "0", "--trees", "adaptive", "--compile",
-                               "--prompts", "1", "--repeats", "1", "--max-new-tokens", "64", "--overhead-sizes", "1",
-                               "16", "--profile", "30"], None, (245, 0)),
-    "overhead-mamba2-2.7b": (["--overhead-only", "--target", "mamba2-2.7b-4layers", "--dtypes", "bfloat16"],
-                             None, (35, 0)),  # the dry run's bundled-pair run already times the tree overhead
-    "overhead-nemotron-h-8b": (["--overhead-only", "--target", "nemotron-h-8b-4layers", "--dtypes", "bfloat16"],
-                               None, (35, 0)),
+# ---- Steps 3 on: the decoding benchmarks' command lines, written here only, run in this order after steps 1 and 2.
+# name: (module, arguments on a GPU, arguments for --dry-run or None (not run dry), budget in seconds (GPU, dry)).
+# The pair is the bundled one inflated to 8.9B / 364M parameters (benchmarks/decoding/pairs.py: same trees, a real
+# model's cost); its trees come twice, drafted by the draft and by the bundled head inflated with the target.
+PAIR_8B = ["--target", "demo-target", "--draft", "demo-draft", "--large", "8b", "--large-draft", "--large-only",
+           "--dtypes", "bfloat16", "--temperatures", "0", "1", "--prompts", "1", "--large-new-tokens", "48"]
+DRY_PAIR = ["--target", "mamba2-draft", "--draft", "mamba2-draft", "--dtypes", "float32", "--temperatures", "0",
+            "--prompts", "1", "--prompt-len", "8", "--max-new-tokens", "4", "--repeats", "1"]
+RUNS = {
+    # eager: HF generate (mamba_ssm's kernels when carried), stree's loop, the default tree and a fixed one
+    "generate:8b-pair": ("benchmarks.decoding.generate",
+                         PAIR_8B + ["--repeats", "2", "--trees", "adaptive", "dynamic-16", "--overhead-sizes", "1", "16"],
+                         DRY_PAIR + ["--trees", "chain-4"], (90, 150)),
+    "batch:8b-pair": ("benchmarks.decoding.batch",
+                      ["--large", "8b", "--large-draft", "--dtype", "bfloat16", "--batches", "1", "16", "--repeats", "1",
+                       "--new-tokens", "24"],
+                      ["--batches", "2", "--new-tokens", "3", "--repeats", "1", "--prompt-lens", "4", "8"], (50, 90)),
+    # compiled last: its warm-up is the least predictable, and whatever it finishes is saved table by table
+    "generate:8b-pair-compiled": ("benchmarks.decoding.generate",
+                                  PAIR_8B + ["--repeats", "1", "--trees", "adaptive", "--compile", "--no-overhead"],
+                                  None, (210, 0)),
 }
-# ---- Step 4: benchmarks/decoding/batch.py (batched decoding at B = 1..64): (GPU arguments, dry-run arguments,
-# budgets in seconds (GPU, dry)).
-BATCH_RUN = (["--large", "--dtype", "bfloat16", "--batches", "1", "4", "16", "64", "--repeats", "1",
-              "--new-tokens", "32"],
-             ["--batches", "2", "--new-tokens", "3", "--repeats", "1", "--prompt-lens", "4", "8"], (60, 90))
+TOTAL_BUDGET = 480  # seconds on one H200, steps 1 and 2 included: a rerun fits in a 15-minute device lease
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and tree_kernels.py's arguments. ----------
-BUDGETS = {"equivalence": (90, 120), "kernels": (30, 120)}  # dry-run budgets: a safety net on a loaded CPU
-KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "falcon-h1-7b", "--sizes", "1", "16", "64", "128",
-                 "--dtype", "bfloat16", "--min-time", "0.3"],
+BUDGETS = {"equivalence": (75, 120), "kernels": (40, 120)}  # dry-run budgets: a safety net on a loaded CPU
+KERNELS_ARGS = (["--shapes", "mamba2-2.7b", "nemotron-h-8b", "--sizes", "1", "16", "64", "--dtype", "bfloat16",
+                 "--min-time", "0.2", "--gated-delta"],
                 ["--shapes", "tiny", "--sizes", "4", "--dtype", "float32", "--backend", "triton", "--min-time", "0",
-                 "--min-reps", "1"])
+                 "--min-reps", "1", "--gated-delta", "tiny"])
 EQUIVALENCE_SIZES = ((16, 64), (5,))                   # trees checked at every real shape (GPU, dry run)
-PYTEST_BUDGET = (60, 90)                               # seconds of step 1's budget pytest may take
+PYTEST_BUDGET = (45, 90)                               # seconds of step 1's budget pytest may take
 PYTEST_ARGS = (["tests/test_tree_scan.py", "tests/test_tree_conv.py", "tests/test_tree_selective_scan.py",
                 "tests/test_tree_gated_delta.py", "tests/test_tree_kda.py"],  # every kernel's tests, natively on CUDA
                ["tests/test_tree_scan.py", "tests/test_tree_conv.py", "-k", "chain_equals_hf"])  # a few, interpreted
@@ -346,16 +341,12 @@ def plan(out, dry):
     kernels_json = os.path.join(out, "step2-kernels.json")
     steps.append(("kernels", [sys.executable, "-m", "benchmarks.scan_kernels.tree_kernels", *KERNELS_ARGS[dry],
                               "--out", kernels_json], BUDGETS["kernels"][dry], kernels_json))
-    for name, (gpu_args, dry_args, budgets) in GENERATE_RUNS.items():
+    for number, (name, (module, gpu_args, dry_args, budgets)) in enumerate(RUNS.items(), start=3):
         arguments = dry_args if dry else gpu_args
         if arguments is None:
             continue
-        path = os.path.join(out, f"step3-generate-{name}.json")
-        steps.append((f"generate:{name}", [sys.executable, "-m", "benchmarks.decoding.generate",
-                                           *arguments, "--out", path], budgets[dry], path))
-    batch_json = os.path.join(out, "step4-batch.json")
-    steps.append(("batch", [sys.executable, "-m", "benchmarks.decoding.batch", *BATCH_RUN[dry], "--out", batch_json],
-                  BATCH_RUN[2][dry], batch_json))
+        path = os.path.join(out, f"step{number}-{name.replace(':', '-')}.json")
+        steps.append((name, [sys.executable, "-m", module, *arguments, "--out", path], budgets[dry], path))
     return steps
 
 
@@ -392,6 +383,34 @@ def headline(name, path):
         return f"(no headline: {type(e).__name__}: {e})"
 
 
+def case_records(path):
+    """summary.json's records from one step's JSON: one per tree method of each table of generate.py and per batch
+    size of batch.py, {case, device, dtype, temperature, compiled, target_params, draft_params (a head's own for its
+    rows), tok_s: {hf, stree_ar, tree}, tau, syncs_per_round (CUDA; None for batches), tree_vs_stree_ar (median)}."""
+    with open(path) as f:
+        data = json.load(f)
+    common = dict(device=data.get("device_name"), compiled=bool(data.get("compile", False)))
+    records = []
+    for table in data.get("tables", []):  # generate.py
+        rows = {r["method"]: r for r in table["rows"]}
+        hf, ar = rows.pop("HF generate", None), rows.pop("stree autoregressive", None)
+        for method, row in rows.items():
+            draft_params = table.get("head_params") if method.startswith("head ") else table["draft_params"]
+            records.append(dict(case=f"{table['target']}: {method}", **common, dtype=table["dtype"],
+                                temperature=table["temperature"], target_params=table["params"],
+                                draft_params=draft_params,
+                                tok_s=dict(hf=hf and hf["tokens_per_s"], stree_ar=ar and ar["tokens_per_s"],
+                                           tree=row["tokens_per_s"]),
+                                tau=row["tau"], syncs_per_round=row.get("syncs_per_round"),
+                                tree_vs_stree_ar=row["speedup_vs_ar"][1]))
+    for row in data.get("rows", []):  # batch.py: greedy, eager
+        records.append(dict(case=f"batch of {row['batch']}: {data['tree']}", **common, dtype=data["dtype"],
+                            temperature=0.0, target_params=data.get("target_params"),
+                            draft_params=data.get("draft_params"), tok_s=row["tok_s"], tau=row["tau"],
+                            syncs_per_round=None, tree_vs_stree_ar=statistics.median(row["tree_vs_ar"])))
+    return records
+
+
 def write_summary(out, rows, dry):
     lines = [f"# GPU run{' (dry run: CPU, tiny sizes, Triton interpreted)' if dry else ''}", "",
              ", ".join(f"{k} {v}" for k, v in versions().items()), "",
@@ -400,14 +419,27 @@ def write_summary(out, rows, dry):
               f"{os.path.basename(r['json']) if r['json'] else '-'} | {r['headline']} |" for r in rows]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    write_json(os.path.join(out, "summary.json"), dict(versions(), dry_run=dry, steps=rows))
+    cases = [record for r in rows if r["json"] and r["step"] not in ("equivalence", "kernels")
+             for record in _readable(case_records, r["json"])]
+    write_json(os.path.join(out, "summary.json"), dict(versions(), dry_run=dry, steps=rows, cases=cases))
+
+
+def _readable(read, path):
+    """read(path), or nothing when the file is not what `read` expects (a step stopped while writing it)."""
+    try:
+        return read(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"   no cases from {os.path.basename(path)}: {type(e).__name__}: {e}")
+        return []
 
 
 def run_all(out, dry):
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if dry else {}))
-    rows = []
-    for name, command, budget, path in plan(out, dry):
+    rows, steps = [], plan(out, dry)
+    if not dry and sum(budget for _, _, budget, _ in steps) > TOTAL_BUDGET:
+        sys.exit(f"the steps' budgets add up to more than TOTAL_BUDGET ({TOTAL_BUDGET} s)")
+    for name, command, budget, path in steps:
         print(f"== {name} (budget {budget} s)", flush=True)
         start = time.perf_counter()
         code = run_bounded(command, budget, os.path.join(out, f"{name.replace(':', '-')}.log"), env)

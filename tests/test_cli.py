@@ -177,6 +177,31 @@ def test_compare_profiles_each_stree_method():
     assert format_profile(rows).count("functions by own time") == 2
 
 
+def test_syncs_per_round_counts_the_sync_warnings_of_one_run(monkeypatch):
+    """_syncs_per_round turns torch's sync debug mode on around one run and counts its warnings per round (a CUDA
+    feature: here a stand-in for the mode and a run that warns as CUDA would, 3 times over 2 rounds); other
+    warnings are not counted, and the mode is set back to default even when the run raises."""
+    import warnings
+
+    import torch
+    from stree import benchmark
+    from stree.stats import GenerationStats
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def run():
+        for message in ("called a synchronizing CUDA operation",) * 3 + ("something else",):
+            warnings.warn(message)
+        return 0.0, [(None, GenerationStats(tokens_per_pass=[2, 1])), (None, None)]
+
+    assert benchmark._syncs_per_round(run) == 1.5 and modes == ["warn", "default"]
+
+    def broken():
+        raise RuntimeError("no CUDA")
+
+    assert benchmark._syncs_per_round(broken) is None and modes[-1] == "default"
+
+
 def cli_error(capsys, argv):
     """The message `stree` prints on stderr when it refuses argv (argparse's exit status 2), before any loading."""
     with pytest.raises(SystemExit) as stopped:

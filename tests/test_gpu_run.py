@@ -23,7 +23,7 @@ def test_dry_run_writes_every_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] and [s["step"] for s in summary["steps"]] == \
-        ["equivalence", "kernels", "generate:bundled-pair", "batch"]
+        ["equivalence", "kernels", "generate:8b-pair", "batch:8b-pair"]
     assert all(s["status"] == "ok" and s["json"] for s in summary["steps"]), summary["steps"]
     equivalence = json.loads((out / "step1-equivalence.json").read_text())
     assert equivalence["ok"] and equivalence["pytest"]["passed"] > 0 and equivalence["pytest"]["failed"] == 0
@@ -34,10 +34,29 @@ def test_dry_run_writes_every_step(tmp_path):
         {("torch", "loops"), ("triton", "loops"), ("triton", "torch")}
     step2 = json.loads((out / "step2-kernels.json").read_text())
     assert step2["backend"] == "triton" and all("hf_chunk" in r["times_ms"] for r in step2["results"])
-    generate = json.loads((out / "step3-generate-bundled-pair.json").read_text())
+    assert [r["T"] for r in step2["gated_delta"]] == [4]
+    generate = json.loads((out / "step3-generate-8b-pair.json").read_text())
     assert generate["overhead"] and generate["tables"]
-    assert [r["batch"] for r in json.loads((out / "step4-batch.json").read_text())["rows"]] == [2]
+    assert [r["batch"] for r in json.loads((out / "step4-batch-8b-pair.json").read_text())["rows"]] == [2]
     assert "| equivalence | ok |" in (out / "summary.md").read_text()
+    # one record per tree method of each table and per batch size, in the issue's schema, from the steps' JSON
+    cases = summary["cases"]
+    assert [c["case"] for c in cases] == ["mamba2-draft: chain-4", "batch of 2: adaptive"]
+    table = generate["tables"][0]
+    tok_s = {r["method"]: r["tokens_per_s"] for r in table["rows"]}
+    assert cases[0]["tok_s"] == {"hf": tok_s["HF generate"], "stree_ar": tok_s["stree autoregressive"],
+                                 "tree": tok_s["chain-4"]}
+    assert cases[0]["target_params"] == table["params"] > 0 and cases[0]["syncs_per_round"] is None  # CPU
+    assert {"device", "dtype", "temperature", "compiled", "draft_params", "tau"} <= set(cases[1])
+
+
+def test_the_gpu_steps_fit_the_total_budget(tmp_path):
+    """Every step's budget together stays inside TOTAL_BUDGET (8 minutes: a rerun fits one device lease), and the
+    driver refuses a plan that does not."""
+    gpu = load_gpu()
+    steps = gpu.plan(str(tmp_path), dry=False)
+    assert sum(budget for _, _, budget, _ in steps) <= gpu.TOTAL_BUDGET <= 480
+    assert [name for name, *_ in steps][-1] == "generate:8b-pair-compiled"
 
 
 def test_a_failing_or_overrunning_step_loses_nothing(tmp_path, monkeypatch):

@@ -56,3 +56,38 @@ def test_inflate_refuses_shapes_it_cannot_preserve():
         inflate_bamba(target, hidden_size=512, mamba_heads=12, d_state=32, intermediate_size=512, num_layers=6)
     with pytest.raises(ValueError, match="only grows"):
         inflate_bamba(target, hidden_size=512, mamba_heads=16, d_state=16, intermediate_size=512, num_layers=6)
+
+
+def test_inflated_models_are_built_in_the_models_dtype_and_leave_the_default_dtype_alone():
+    """The big model's parameters are created in the small model's dtype on the device asked for (no float32 copy
+    first: an 8.9B target is built on the GPU in bf16), and torch's default dtype is restored, also when building
+    fails."""
+    from stree.models.inflate import _new_model
+    target, draft, _ = demo_pair(dtype=torch.bfloat16)
+    big = inflate_mamba2(draft, hidden_size=256, d_state=32, num_layers=2, device="cpu")
+    assert {p.dtype for p in big.parameters()} == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    assert not big.training and big.config.hidden_size == 256
+
+    def broken(config):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _new_model(broken, None, target, None)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_benchmark_pairs_have_the_shapes_they_claim(monkeypatch):
+    """benchmarks/decoding/pairs.py: every pair inflates the bundled models to the parameter counts its docstring
+    gives (built on the meta device: shapes only), and its sizes are ones the inflation accepts."""
+    import copy
+    import os
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.decoding.pairs import PAIRS
+    target, draft = (copy.deepcopy(m).to("meta") for m in demo_pair()[:2])
+    claimed = {"0.9b": (918e6, 61e6), "2.7b": (2.83e9, 128e6), "8b": (8.89e9, 364e6)}
+    for name, (target_sizes, draft_sizes) in PAIRS.items():
+        counts = []
+        for model, inflate, sizes in ((target, inflate_bamba, target_sizes), (draft, inflate_mamba2, draft_sizes)):
+            big = inflate(model, **sizes)
+            counts.append(sum(p.numel() for p in big.parameters()))
+        assert counts == pytest.approx(claimed[name], rel=0.01), name

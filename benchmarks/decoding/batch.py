@@ -11,6 +11,7 @@ benchmarks/results/<machine kind>/.
     python -m benchmarks.decoding.batch                                   # bundled pair, float32, B = 1 4 16 64
     python -m benchmarks.decoding.batch --large --dtype bfloat16 --batches 1 4 16   # the 0.9B target, bf16
     python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 61M draft
+    python -m benchmarks.decoding.batch --large 8b --large-draft --dtype bfloat16 --device cuda  # 8.9B / 364M pair
 """
 import argparse
 import os
@@ -18,11 +19,11 @@ import time
 
 import torch
 
+from benchmarks.anchors import hf_mamba_kernels
 from benchmarks.common import device_line, machine_info, model_shape, results_path, write_json, SHORT_DTYPES
-from benchmarks.decoding.generate import LARGE, LARGE_DRAFT
+from benchmarks.decoding.pairs import PAIRS, inflate_pair, pair_tag
 from stree.batch import Batch
 from stree.demo import demo_pair, held_out_prompts
-from stree.models import inflate_bamba, inflate_mamba2
 from stree.shapes import parse_tree, tree_name
 
 
@@ -145,8 +146,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--dtype", default="float32", choices=list(SHORT_DTYPES))
-    parser.add_argument("--large", action="store_true", help="the bundled target inflated to 0.9B parameters")
-    parser.add_argument("--large-draft", action="store_true", help="with --large, the draft inflated to 61M")
+    parser.add_argument("--large", nargs="?", const="0.9b", default=None, choices=list(PAIRS),
+                        help="the bundled target inflated to 0.9b (the default), 2.7b or 8b parameters")
+    parser.add_argument("--large-draft", action="store_true",
+                        help="with --large, the draft inflated likewise (61M, 128M, 364M)")
     parser.add_argument("--tree", default="adaptive", help="the tree (a name stree.shapes.parse_tree reads)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
@@ -161,19 +164,22 @@ def main(argv=None):
     torch.manual_seed(0)
     machine = machine_info(args.device)
     print(device_line(machine))
+    hf_kernels = hf_mamba_kernels(torch.device(args.device))
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = demo_pair(dtype=dtype)
     if args.large:
-        target = inflate_bamba(target, **LARGE)
-        draft = inflate_mamba2(draft, **LARGE_DRAFT) if args.large_draft else draft
+        target, draft = inflate_pair(target, draft, args.large, args.device, inflate_draft=args.large_draft)
     target, draft = target.to(args.device), draft.to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.repeats} repeats")
-    name = "-".join(["batch", "large" if args.large else "demo"] + (["draft60m"] if args.large_draft else [])
-                    + [SHORT_DTYPES[args.dtype]])
+    pair = pair_tag(args.large, args.large_draft) if args.large else ["demo"]
+    name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype]])
     out = args.out or results_path(machine, name + ".json")
-    result = dict(machine, target=model_shape(target), draft=model_shape(draft), dtype=args.dtype, tree=args.tree,
+    result = dict(machine, target=model_shape(target), draft=model_shape(draft), hf_kernels=hf_kernels,
+                  target_params=sum(p.numel() for p in target.parameters()),
+                  draft_params=sum(p.numel() for p in draft.parameters()),
+                  dtype=args.dtype, tree=args.tree,
                   new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, repeats=args.repeats, rows=[],
                   complete=False)
     for batch in args.batches:

@@ -1,7 +1,8 @@
 """End-to-end decoding: HF's own generate vs stree's autoregressive loop vs chain and tree decoding, same run.
 
 Both regimes: the bundled trained pair (a 6.7M target: a decode step is bound by per-operation overhead) and, with
---large, the same target inflated function-preservingly to 0.9B parameters (bound by reading weights), in the
+--large, the same target inflated function-preservingly to 0.9B, 2.7B or 8B parameters (benchmarks/decoding/pairs.py;
+bound by reading weights), in the
 dtypes asked for, at temperatures 0 and 1. For every method: tokens/s, speedup over HF generate and over stree's
 own autoregressive loop (ranges over --repeats same-run repeats), tau, draft passes per round, a per-round
 breakdown (draft / verify / commit / other ms, host transfers) and, greedy, agreement with HF's output (all tokens
@@ -12,6 +13,7 @@ Prints the device, CPU flags and models, then the tables; writes JSON and a PNG 
     python -m benchmarks.decoding.generate                                    # bundled pair, float32
     python -m benchmarks.decoding.generate --dtypes float32 bfloat16 --large  # both regimes, both dtypes
     python -m benchmarks.decoding.generate --dtypes bfloat16 --large --large-draft  # 0.9B with a 60M draft
+    python -m benchmarks.decoding.generate --dtypes bfloat16 --large 8b --large-draft --large-only  # a GPU's pair
     python -m benchmarks.decoding.generate --compile          # torch.compile'd passes (warm-up reported)
     python -m benchmarks.decoding.generate --both-drafting    # greedy trees drafted on host and device
     python -m benchmarks.decoding.generate --profile 25       # + where each method's host time goes
@@ -25,14 +27,16 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from benchmarks.anchors import hf_mamba_kernels
 from benchmarks.common import SHORT_DTYPES, device_line, machine_info, median_ms, results_path, write_json
+from benchmarks.decoding.pairs import PAIRS, head_sizes, inflate_pair, pair_tag
 from stree import BeamTree, random_parents
 from stree.benchmark import compare, format_profile, format_rows
 from stree.demo import demo_head, demo_pair, held_out_prompts
 from stree.heads import DraftHead
 from stree.heads.inflate import inflate_head
 from stree.drafting import grows_on_device
-from stree.models import TreeModel, inflate_bamba, inflate_mamba2, tiny_model
+from stree.models import TreeModel, tiny_model
 from stree.shapes import parse_tree, tree_name
 
 # Built-in random models: (family, config overrides on stree.models.TINY_CONFIGS).
@@ -73,13 +77,6 @@ OLD_LABELS = {"static-2211": "static-2,2,1,1", "dynamic-8": "dynamic-8-d5-k2-f2"
 def tree_arg(text):
     """--trees: a tree name, or one of this script's older labels."""
     return parse_tree(OLD_LABELS.get(text, text))
-# The bundled target inflated to a realistic size (0.93B parameters, same outputs): --large.
-LARGE = dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192, num_layers=12)
-# With --large-draft, the bundled draft inflated likewise (60M parameters, ~6% of the 0.9B target's: a realistic
-# draft's share of the cost; same drafts).
-LARGE_DRAFT = dict(hidden_size=1024, d_state=128, num_layers=8)
-
-
 def load(name, dtype, device):
     if name in ("demo-target", "demo-draft"):  # the bundled trained pair
         return demo_pair(dtype=dtype, device=device)[0 if name == "demo-target" else 1]
@@ -206,11 +203,15 @@ def parse_args(argv):
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--large", action="store_true", help="also the demo target inflated to 0.9B parameters")
+    parser.add_argument("--large", nargs="?", const="0.9b", default=None, choices=list(PAIRS),
+                        help="also the demo target inflated to a realistic size (benchmarks/decoding/pairs.py): "
+                        "0.9b (the default), 2.7b or 8b parameters")
     parser.add_argument("--large-new-tokens", type=int, default=24)
+    parser.add_argument("--large-only", action="store_true", help="with --large, skip the bundled pair's own tables")
     parser.add_argument("--large-draft", action="store_true",
-                        help="with --large, draft the 0.9B target with the bundled draft inflated to 60M parameters "
-                        "(same drafts, a realistic cost) instead of the 1.2M one")
+                        help="with --large, draft the large target with the bundled draft inflated likewise (61M "
+                        "parameters for 0.9b, 128M for 2.7b, 364M for 8b: same drafts, a realistic cost) instead of "
+                        "the 1.2M one")
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--both-drafting", action="store_true",
                         help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
@@ -220,12 +221,16 @@ def parse_args(argv):
                         "own time per round (printed and in the JSON rows' 'profile')")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--overhead-only", action="store_true", help="only the tree-pass cost curve of --target")
+    parser.add_argument("--no-overhead", action="store_true",
+                        help="skip the tree-pass cost curve (compiled, each of its sizes compiles passes of its own)")
     parser.add_argument("--overhead-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
                         help="tree sizes of the cost curve, 1 first (the others are also given per one-node "
                              "pass); compiled, each size compiles its own passes")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine kind>/"
                         "generate[-overhead]-<target>[-large]-<dtypes>[-t<temperatures>][-drafting][-compiled].json)")
     args = parser.parse_args(argv)
+    if args.no_overhead and args.overhead_only:
+        parser.error("--no-overhead and --overhead-only contradict each other")
     if args.overhead_sizes[0] != 1:
         parser.error("--overhead-sizes must start with 1 (the one-node pass the others are compared with)")
     return args
@@ -234,8 +239,7 @@ def parse_args(argv):
 def default_name(args):
     """The JSON's file name from what the run measures, e.g. generate-demo-target-large-bf16-t1.json."""
     parts = ["generate-overhead" if args.overhead_only else "generate", os.path.basename(args.target.rstrip("/"))]
-    parts += ["large"] if args.large and not args.overhead_only else []
-    parts += ["draft60m"] if args.large and args.large_draft and not args.overhead_only else []
+    parts += pair_tag(args.large, args.large_draft) if args.large and not args.overhead_only else []
     parts += [SHORT_DTYPES[d] for d in args.dtypes]
     if not args.overhead_only and args.temperatures != [0.0, 1.0]:
         parts.append("t" + "-".join(f"{t:g}" for t in args.temperatures))
@@ -281,19 +285,18 @@ def measure(args, device, result, save):
         target = load(args.target, dtype, device)
         head = load_head(args, target)
         draft = load(args.draft, dtype, device)
-        targets = [(args.target, target, args.max_new_tokens, head, draft)]
+        targets = [] if args.large and args.large_only else [(args.target, target, args.max_new_tokens, head, draft)]
         if args.large:
-            large = inflate_bamba(target, **LARGE).to(device)
-            sizes = {k: v for k, v in LARGE.items() if k != "num_layers"}
-            large_draft = inflate_mamba2(draft, **LARGE_DRAFT).to(device) if args.large_draft else draft
-            targets.append((f"{args.target} inflated to 0.9B", large, args.large_new_tokens,
-                            head and inflate_head(head, large, **sizes), large_draft))
+            large, large_draft = inflate_pair(target, draft, args.large, device, inflate_draft=args.large_draft)
+            targets.append((f"{args.target} inflated to {args.large.upper()}", large, args.large_new_tokens,
+                            head and inflate_head(head, large, **head_sizes(args.large)), large_draft))
         for label, model, new_tokens, model_head, draft in targets:
             params = sum(p.numel() for p in model.parameters())
-            overhead = tree_overhead(model, device, sizes=args.overhead_sizes, compile=args.compile)
-            print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
-            result["overhead"].append(dict(target=label, params=params, dtype=dtype_name, **overhead))
-            save()
+            if not args.no_overhead:
+                overhead = tree_overhead(model, device, sizes=args.overhead_sizes, compile=args.compile)
+                print_overhead(f"{label} ({params / 1e6:.1f}M params, {dtype_name})", overhead)
+                result["overhead"].append(dict(target=label, params=params, dtype=dtype_name, **overhead))
+                save()
             if args.overhead_only:
                 continue
             model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
@@ -313,7 +316,9 @@ def measure(args, device, result, save):
                 print(format_rows(rows))
                 if args.profile:
                     print(format_profile(rows))
-                result["tables"].append(dict(target=label, params=params, draft_params=draft_params, dtype=dtype_name,
+                head_params = model_head and sum(p.numel() for p in model_head.own_parameters())
+                result["tables"].append(dict(target=label, params=params, draft_params=draft_params,
+                                             head_params=head_params, dtype=dtype_name,
                                              temperature=temperature,
                                              new_tokens=new_tokens, prompts=args.prompts, rows=rows))
                 save()
@@ -325,7 +330,9 @@ def main(argv=None):
     torch.manual_seed(0)
     machine = machine_info(device)
     print(device_line(machine))
-    result = dict(machine, target=args.target, compile=args.compile, complete=False, overhead=[], tables=[])
+    hf_kernels = hf_mamba_kernels(device)
+    result = dict(machine, target=args.target, compile=args.compile, hf_kernels=hf_kernels, complete=False,
+                  overhead=[], tables=[])
     out = args.out or results_path(machine, default_name(args))
     # saved after every measurement: a run stopped midway keeps what it measured ("complete": false)
     measure(args, device, result, lambda: write_json(out, result))

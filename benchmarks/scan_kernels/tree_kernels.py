@@ -10,11 +10,15 @@ For each layer shape and tree size T, times in one run (fastest of interleaved r
   hf_chunk     HF's own chunked scan (transformers' mamba2_chunk_scan, the path HF's Mamba2 prefill takes) over
                T tokens: what an ordinary model pays to verify a T-token chain
   chunk_seq    (CUDA with mamba_ssm only) mamba_ssm's chunk scan over T tokens
+With --gated-delta, the same for a Gated DeltaNet layer at Qwen3-Next's / Qwen3.5's shape: stree's
+tree_gated_delta_rule over a random T-node tree and over a T-node chain against flash-linear-attention's
+chunk_gated_delta_rule over T tokens (CUDA with fla installed; its output over the chain is checked against stree's).
 CPU runs the PyTorch path, CUDA the Triton path (--backend overrides). Prints the device and CPU flags, the shapes
 and a table of ratios; writes JSON. Layer shapes are stree.triton_kernels.aot.MODEL_SHAPES (plus "tiny", for smoke runs).
 
     python -m benchmarks.scan_kernels.tree_kernels            # three shapes, T in 1..128
     python -m benchmarks.scan_kernels.tree_kernels --quick    # one shape, a few T (smoke run)
+    python -m benchmarks.scan_kernels.tree_kernels --gated-delta --sizes 1 16 64   # also Gated DeltaNet vs fla
 """
 import argparse
 
@@ -22,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
+from benchmarks.anchors import fla_chunk_gated_delta, mamba_chunk_scan, mamba_state_update
 from benchmarks.common import SHORT_DTYPES, device_line, machine_info, results_path, time_all, write_json
 from stree import random_parents
-from stree.triton_kernels import tree_scan
+from stree.triton_kernels import tree_gated_delta_rule, tree_scan
 from stree.triton_kernels.aot import MODEL_SHAPES
 
 # (nheads, headdim, dstate, ngroups) of one Mamba2 mixer.
@@ -61,12 +66,8 @@ def decode_step_torch(state, x, dt, A, B, C, D, dt_bias):
 
 def decode_step_fn(device):
     """mamba_ssm's selective_state_update on CUDA when installed, else the torch step above."""
-    if device.type == "cuda":
-        try:
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-        except ImportError:
-            return decode_step_torch, "torch"
-
+    selective_state_update = mamba_state_update() if device.type == "cuda" else None
+    if selective_state_update is not None:
         def step(state, x, dt, A, B, C, D, dt_bias):
             nheads, headdim, dstate = state.shape[1:]
             return selective_state_update(state, x, dt[..., None].expand(-1, -1, headdim),
@@ -78,13 +79,7 @@ def decode_step_fn(device):
 
 
 def mamba_chunk_scan_fn(device):
-    if device.type != "cuda":
-        return None
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        return None
-    return mamba_chunk_scan_combined
+    return mamba_chunk_scan() if device.type == "cuda" else None
 
 
 def leaf_paths(parents):
@@ -163,6 +158,58 @@ def ratios_of(times):
     return ratios
 
 
+# (key heads, value heads, key dim, value dim) of one Gated DeltaNet layer
+GATED_DELTA_SHAPES = {"qwen3-next-80b-a3b": tuple(MODEL_SHAPES["qwen3-next-80b-a3b"][k] for k in (
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")),
+    "tiny": (2, 4, 16, 16)}
+
+
+def gated_delta_case(shape, T, device, dtype, generator, backend, min_time, min_reps):
+    """Times (ms) of a Gated DeltaNet layer over T nodes, batch 1, at `shape` (GATED_DELTA_SHAPES): stree's tree
+    kernel over a random tree and over a chain, and fla's chunk kernel over T tokens when it runs here; with fla,
+    also the largest difference between fla's outputs and stree's over the chain, over the largest output."""
+    Hk, Hv, Dk, Dv = GATED_DELTA_SHAPES[shape]
+    q, k = (torch.randn(1, T, Hk, Dk, generator=generator).to(device, dtype) for _ in range(2))
+    v = torch.randn(1, T, Hv, Dv, generator=generator).to(device, dtype)
+    g = (-torch.rand(1, T, Hv, generator=generator)).to(device)
+    beta = torch.rand(1, T, Hv, generator=generator).to(device, dtype)
+    state = (0.1 * torch.randn(1, Hv, Dk, Dv, generator=generator)).to(device)
+    parents = torch.tensor([random_parents(T, generator, max_children=3)], device=device)
+    chain = torch.arange(T, device=device)[None] - 1
+    kwargs = dict(initial_state=state, use_qk_l2norm=True, backend=backend)
+    fns = {"tree_random": lambda: tree_gated_delta_rule(q, k, v, g, beta, parents, **kwargs),
+           "tree_chain": lambda: tree_gated_delta_rule(q, k, v, g, beta, chain, **kwargs)}
+    fla = fla_chunk_gated_delta() if device.type == "cuda" else None
+    info = {"fla": fla is not None}
+    if fla is not None:  # fla's heads are value heads: HF repeats the key heads for it, so does this
+        qv, kv = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+        fns["fla_chunk"] = lambda: fla(qv, kv, v, g, beta, initial_state=state, use_qk_l2norm_in_kernel=True)[0]
+        with torch.inference_mode():
+            ours, theirs = fns["tree_chain"]().float(), fns["fla_chunk"]().float()
+        info["fla_vs_chain_error"] = float((ours - theirs).abs().max() / theirs.abs().max())
+    with torch.inference_mode():
+        times = time_all(fns, device, min_time=min_time, min_reps=min_reps)
+    return times, info
+
+
+def run_gated_delta(args, device, dtype, generator, backend):
+    """The --gated-delta table: one row per tree size."""
+    shape = args.gated_delta
+    print(f"\nGated DeltaNet, {shape} layer: key heads, value heads, key dim, value dim {GATED_DELTA_SHAPES[shape]}")
+    print(f"{'T':>4} {'tree ms':>9} {'chain ms':>9} {'fla ms':>8} {'tree/fla':>9} {'chain-vs-fla err':>17}")
+    rows = []
+    for T in args.sizes:
+        times, info = gated_delta_case(shape, T, device, dtype, generator, backend, args.min_time, args.min_reps)
+        fla_ms = times.get("fla_chunk")
+        ratio = times["tree_random"] / fla_ms if fla_ms else None
+        error = info.get("fla_vs_chain_error")
+        print(f"{T:>4} {times['tree_random']:>9.3f} {times['tree_chain']:>9.3f} "
+              f"{'-' if fla_ms is None else f'{fla_ms:.3f}':>8} {'-' if ratio is None else f'{ratio:.2f}':>9} "
+              f"{'-' if error is None else f'{error:.1e}':>17}", flush=True)
+        rows.append(dict(shape=shape, T=T, times_ms=times, tree_over_fla=ratio, **info))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
@@ -176,6 +223,9 @@ def main():
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per case")
     parser.add_argument("--min-reps", type=int, default=7, help="repeats per case at least")
     parser.add_argument("--quick", action="store_true", help="mamba2-2.7b only, T in 1, 16, 64")
+    parser.add_argument("--gated-delta", nargs="?", const="qwen3-next-80b-a3b", default=None,
+                        choices=list(GATED_DELTA_SHAPES),
+                        help="also a Gated DeltaNet layer (default: Qwen3-Next's shape) against fla's chunk kernel")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/<machine kind>/tree-kernels-<dtype>.json)")
     args = parser.parse_args()
@@ -207,9 +257,10 @@ def main():
             print(line, flush=True)
             results.append(dict(shape=shape_name, nheads=shape[0], headdim=shape[1], dstate=shape[2],
                                 ngroups=shape[3], T=T, batch=args.batch, times_ms=times, ratios=ratios, **info))
+    gated_delta = run_gated_delta(args, device, dtype, generator, backend) if args.gated_delta else []
     dtype_name = str(dtype).removeprefix("torch.")
     out = args.out or results_path(machine, f"tree-kernels-{SHORT_DTYPES[dtype_name]}.json")
-    write_json(out, dict(machine, dtype=str(dtype), backend=backend, results=results))
+    write_json(out, dict(machine, dtype=str(dtype), backend=backend, results=results, gated_delta=gated_delta))
     print(f"\nwrote {out}")
 
 

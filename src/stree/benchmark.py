@@ -3,12 +3,14 @@
 Used by `stree bench` and benchmarks/decoding/generate.py. Every method decodes the same prompts; the methods of one repeat
 run back to back, so a ratio compares runs that saw the same machine load, and repeats give its range.
 """
+import contextlib
 import copy
 import cProfile
 import os
 import pstats
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -47,7 +49,9 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
 
         method, tokens_per_s (median), speedup_vs_hf / speedup_vs_ar ([min, median, max] over repeats),
         tau, draft_passes (per round), breakdown (ms per round: draft / verify / commit / other, transfers),
-        agreement (greedy: mean number of leading tokens equal to HF's output, and whether all are equal).
+        syncs_per_round (CUDA: synchronizing calls per round, counted by torch's sync debug mode in one more untimed
+        run; None elsewhere), agreement (greedy: mean number of leading tokens equal to HF's output, and whether all
+        are equal).
     With compile=True, a first untimed call per method pays the compilation; its time is `warmup_s`. profile=N:
     after the timed runs, one more untimed run of each stree method under cProfile, whose N functions with the most
     own time (host time: Python, and the launches or device waits inside them) go to the row's `profile`. Sampling
@@ -88,14 +92,10 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
             elapsed, outs = run(name)
             times[name].append(elapsed)
             results[name] = outs
-    if profile:  # cProfile slows the run: the costs adaptive trees keep on the target must not learn from it
-        kept = kept_costs(target)
-        learnt = copy.deepcopy(kept)
-        profiles = {name: _profiled(lambda: run(name), profile) for name in methods if name != "HF generate"}
-        kept.clear()
-        kept.update(learnt)
-    else:
-        profiles = {}
+    stree_methods = [name for name in methods if name != "HF generate"]
+    with _costs_kept(target):  # neither cProfile's slowed runs nor the counting runs may teach adaptive trees
+        profiles = {name: _profiled(lambda: run(name), profile) for name in stree_methods} if profile else {}
+        syncs = {name: _syncs_per_round(lambda: run(name)) for name in stree_methods} if device.type == "cuda" else {}
     rows, reference = [], [out for out, _ in results["HF generate"]]
     for name in methods:
         stats = [s for _, s in results[name] if s is not None]
@@ -106,7 +106,8 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
                    speedup_vs_ar=[vs_ar[0], statistics.median(vs_ar), vs_ar[-1]],
                    tau=_mean([p for s in stats for p in s.tokens_per_pass]) if stats else 1.0,
                    draft_passes=sum(s.draft_passes for s in stats) / max(sum(s.rounds for s in stats), 1),
-                   breakdown=_mean_breakdown(stats), warmup_s=warmup[name] if compile else None)
+                   breakdown=_mean_breakdown(stats), syncs_per_round=syncs.get(name),
+                   warmup_s=warmup[name] if compile else None)
         if name in profiles:
             row["profile"] = profiles[name]
         if temperature == 0:
@@ -116,6 +117,35 @@ def compare(target, draft, prompts, trees, *, max_new_tokens, temperature=0.0, r
                                     all_equal=all(s == max_new_tokens for s in same))
         rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def _costs_kept(target):
+    """The costs adaptive trees keep on `target` restored after the block, whatever it measured."""
+    kept = kept_costs(target)
+    learnt = copy.deepcopy(kept)
+    try:
+        yield
+    finally:
+        kept.clear()
+        kept.update(learnt)
+
+
+def _syncs_per_round(run):
+    """Synchronizing CUDA calls (a device-to-host copy, .item(), a blocking wait) per round of run() (compare's
+    run of one stree method), counted by torch's sync debug mode: the host waits a round makes."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+            _, outs = run()
+        except Exception as e:  # noqa: BLE001 - a count is a diagnostic; the timed figures stand without it
+            print(f"syncs not counted: {type(e).__name__}: {e}")
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    rounds = max(sum(s.rounds for _, s in outs if s is not None), 1)
+    return sum("synchroniz" in str(w.message) for w in caught) / rounds
 
 
 def _profiled(run, top):
@@ -154,16 +184,17 @@ def _mean_breakdown(stats):
 def format_rows(rows):
     """A fixed-width table of compare()'s rows."""
     lines = [f"{'method':>38} {'tok/s':>8} {'vs HF (min-max)':>17} {'vs stree AR':>17} {'tau':>5} {'drafts':>6} "
-             f"{'draft/verify/commit/other ms':>29} {'copies':>6} {'agree':>8}"]
+             f"{'draft/verify/commit/other ms':>29} {'copies':>6} {'syncs':>6} {'agree':>8}"]
     for r in rows:
         b = r["breakdown"]
         parts = "/".join(f"{b[k]:.1f}" for k in ("draft_ms", "verify_ms", "commit_ms", "other_ms")) if b else "-"
         copies = f"{b['transfers']:.2f}" if b else "-"  # device-to-host copies per round
+        syncs = "-" if r.get("syncs_per_round") is None else f"{r['syncs_per_round']:.2f}"  # CUDA only
         agree = r.get("agreement")
         agree = "-" if agree is None else f"{agree['mean_identical_prefix']:.0f}/{agree['of']}"
         lines.append(f"{r['method']:>38} {r['tokens_per_s']:>8.1f} "
                      f"{_span(r['speedup_vs_hf']):>17} {_span(r['speedup_vs_ar']):>17} {r['tau']:>5.2f} "
-                     f"{r['draft_passes']:>6.2f} {parts:>29} {copies:>6} {agree:>8}")
+                     f"{r['draft_passes']:>6.2f} {parts:>29} {copies:>6} {syncs:>6} {agree:>8}")
     return "\n".join(lines)
 
 

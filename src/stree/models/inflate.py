@@ -13,12 +13,12 @@ import torch
 import transformers
 
 
-def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size, num_layers):
+def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size, num_layers, device=None):
     """A new BambaForCausalLM whose logits equal `model`'s (up to float rounding) with the given sizes.
 
     hidden_size / mamba_heads must scale by the same factor (mamba_heads * mamba_d_head is the mixer width);
     attention heads scale with hidden_size (head_dim fixed), key/value heads with them; new layers are Mamba
-    layers. Returns the model in eval mode, in `model`'s dtype.
+    layers. Returns the model in eval mode, in `model`'s dtype, built directly on `device` (default: `model`'s).
     """
     old = model.config
     if old.model_type != "bamba":
@@ -43,16 +43,16 @@ def inflate_bamba(model, *, hidden_size, mamba_heads, d_state, intermediate_size
     config.pop("layers_block_type")
     config = transformers.BambaConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
     config._attn_implementation = old._attn_implementation
-    big = transformers.BambaForCausalLM(config).to(model.dtype).eval()
+    big = _new_model(transformers.BambaForCausalLM, config, model, device)
     _copy_into(big, model, (old.mamba_n_heads * old.mamba_d_head, old.mamba_d_state, old.mamba_n_heads),
                (mamba_heads * old.mamba_d_head, d_state), factor, ("layernorm.weight", "mamba.norm.weight"))
     return big
 
 
-def inflate_mamba2(model, *, hidden_size, d_state, num_layers):
+def inflate_mamba2(model, *, hidden_size, d_state, num_layers, device=None):
     """A new Mamba2ForCausalLM whose logits equal `model`'s (up to float rounding): hidden_size, and with it the
     mixer's width and heads (expand and head_dim kept), the state size and the layers grown. Needs n_groups = 1.
-    Returns the model in eval mode, in `model`'s dtype."""
+    Returns the model in eval mode, in `model`'s dtype, built directly on `device` (default: `model`'s)."""
     old = model.config
     if old.model_type != "mamba2":
         raise ValueError(f"inflate_mamba2 takes a mamba2 model, got {old.model_type!r}")
@@ -67,10 +67,22 @@ def inflate_mamba2(model, *, hidden_size, d_state, num_layers):
     config.update(hidden_size=hidden_size, num_heads=int(heads), state_size=d_state, num_hidden_layers=num_layers,
                   layer_norm_epsilon=old.layer_norm_epsilon / factor)
     config = transformers.Mamba2Config(**config)
-    big = transformers.Mamba2ForCausalLM(config).to(model.dtype).eval()
+    big = _new_model(transformers.Mamba2ForCausalLM, config, model, device)
     _copy_into(big, model, (old.num_heads * old.head_dim, old.state_size, old.num_heads),
                (int(heads) * old.head_dim, d_state), factor, ("norm.weight", "norm_f.weight"))
     return big
+
+
+def _new_model(cls, config, model, device):
+    """cls(config) in eval mode, its parameters created on `device` (default: `model`'s) in `model`'s dtype: an
+    8B-parameter model is built on the GPU in bf16, with no float32 copy in host memory first."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model.dtype)
+    try:
+        with torch.device(device if device is not None else model.device):
+            return cls(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def _copy_into(big, model, mixer, big_mixer, factor, norms):

@@ -1,0 +1,46 @@
+"""Realistic-size draft/target pairs without a download: the bundled trained pair inflated function-preservingly.
+
+The bundled target (Bamba, 6 layers, 256 wide) and draft (Mamba2, 1 layer, 128 wide) grow to the shapes below with
+stree.models.inflate_bamba / inflate_mamba2: every old weight sits in the corner of its new matrix, the rest is zero,
+so the big pair computes the same logits, drafts the same trees and keeps the trained pair's acceptance, while each
+pass costs what a model of that shape costs (dense products do not skip zeros). The draft keeps a realistic share of
+the target's cost (2-7% of its parameters), the regime real sibling drafts and MTP / EAGLE heads live in.
+
+    name    target (parameters, shape)                          draft (parameters, shape)
+    0.9b    918M: 12 layers, hidden 2048, 64 heads, state 128    61M: 8 layers, hidden 1024
+    2.7b    2.8B: 64 layers, hidden 2560, 80 heads (Mamba2-2.7B) 128M: 32 layers, hidden 768 (Mamba2-130M)
+    8b      8.9B: 32 layers, hidden 4096, 128 heads, MLP 14336   364M: 24 layers, hidden 1536
+            (Bamba-9B / Nemotron-H-8B cost)
+"""
+from stree.models import inflate_bamba, inflate_mamba2
+
+# name: (inflate_bamba's sizes for the target, inflate_mamba2's for the draft)
+PAIRS = {
+    "0.9b": (dict(hidden_size=2048, mamba_heads=64, d_state=128, intermediate_size=8192, num_layers=12),
+             dict(hidden_size=1024, d_state=128, num_layers=8)),
+    "2.7b": (dict(hidden_size=2560, mamba_heads=80, d_state=128, intermediate_size=512, num_layers=64),
+             dict(hidden_size=768, d_state=128, num_layers=32)),
+    "8b": (dict(hidden_size=4096, mamba_heads=128, d_state=128, intermediate_size=14336, num_layers=32),
+           dict(hidden_size=1536, d_state=128, num_layers=24)),
+}
+
+
+def inflate_pair(target, draft, name, device=None, inflate_draft=True):
+    """(target, draft) of the pair `name`, built on `device` in the bundled models' dtype; with
+    inflate_draft=False the draft stays the bundled 1.2M one (nearly free beside any of these targets)."""
+    target_sizes, draft_sizes = PAIRS[name]
+    big_target = inflate_bamba(target, **target_sizes, device=device)
+    big_draft = inflate_mamba2(draft, **draft_sizes, device=device) if inflate_draft else draft.to(device)
+    return big_target, big_draft
+
+
+def head_sizes(name):
+    """inflate_head's sizes for a head of the pair's target (the target's widths; its layer count is not a
+    head's)."""
+    return {k: v for k, v in PAIRS[name][0].items() if k != "num_layers"}
+
+
+def pair_tag(name, inflate_draft):
+    """The pair's part of a result file name: large (0.9b) or large8b, then draft60m / draft-inflated."""
+    tags = ["large" if name == "0.9b" else f"large{name}"]
+    return tags + ([("draft60m" if name == "0.9b" else "draft-inflated")] if inflate_draft else [])
