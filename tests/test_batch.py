@@ -6,7 +6,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import stree
 from stree.batch import Batch
-from stree.models import TINY_CONFIGS, tiny_model
+from stree.models import TINY_CONFIGS, TreeModel, tiny_model
 from stats import assert_matches, chi_square, chi_square_critical
 from test_generate import hf_greedy, noisy_copy, without_eos
 from test_sampling import exact_model_distribution
@@ -203,6 +203,12 @@ def test_the_drop_in_and_hf_pipeline_take_batches():
     (lambda t, d: stree.generate(t, [torch.tensor([1]), torch.tensor([2])], draft_model=d, max_new_tokens=2,
                                  temperature=1.0, generator=[torch.Generator()]), "one per prompt"),
     (lambda t, d: Batch(t, draft_model=d, max_new_tokens=2).step(), "add"),
+    (lambda t, d: Batch(t, draft_model=d, max_new_tokens=2).add([]), r"add\(\) needs at least one prompt"),
+    (lambda t, d: Batch(t, draft_model=d, max_new_tokens=2).add(torch.tensor([1.0, 2.0])), "integer tensor"),
+    (lambda t, d: Batch(t, draft_model=d, max_new_tokens=2).add([torch.tensor([1, 99999])]), "outside"),
+    (lambda t, d: stree.generate(t, [], draft_model=d, max_new_tokens=2), "at least one prompt"),
+    (lambda t, d: TreeModel(t).add_rows([torch.tensor([[1, 2]])]), "1-D integer tensor"),
+    (lambda t, d: TreeModel(t).add_rows([]), "add_rows needs at least one prompt"),
 ])
 def test_bad_batches_get_clear_errors(call, message):
     target, draft = tiny_model("bamba"), tiny_model("bamba", seed=1)

@@ -22,7 +22,7 @@ import torch
 
 from .adaptive import kept_costs
 from .adaptive.batch_sizes import BatchSizes
-from .checks import check_token_ids, vocab_size
+from .checks import check_prompts, vocab_size
 from .decoding import DEFAULT_TREE, Output, check_count, check_models, eos_ids
 from .drafting import Growth, drive
 from .drafting.host import GROW
@@ -86,13 +86,7 @@ class Batch:
         single one shared by the rows (in row order), or None (the global RNG). max_new_tokens: these rows' own
         bound (default the Batch's). Returns the new rows' ids (an int for a single tensor)."""
         single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1
-        prompts = [prompts] if single else list(prompts)
-        if not prompts:
-            raise ValueError("add() needs at least one prompt")
-        for prompt in prompts:
-            if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
-                raise ValueError("each prompt must be a non-empty 1-D tensor of token ids")
-            check_token_ids("prompt", prompt, self.vocab)
+        prompts = check_prompts([prompts] if single else prompts, "add()", self.vocab)
         generators = _per_row(generators, len(prompts))
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_count("max_new_tokens", limit)
@@ -247,11 +241,9 @@ def batch_prompts(input_ids, attention_mask=None):
     left-padded where `attention_mask` (B, P) holds zeros (HF's decoder-only convention), or a list of 1-D prompts
     (their padded input is built with pad id -1, filled in later by generate_batch)."""
     if isinstance(input_ids, (list, tuple)):
-        prompts = [torch.as_tensor(p) for p in input_ids]
         if attention_mask is not None:
             raise ValueError("attention_mask goes with a padded (batch, P) tensor, not with a list of prompts")
-        if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
-            raise ValueError("a list of prompts must hold non-empty 1-D token id tensors")
+        prompts = check_prompts([torch.as_tensor(p) for p in input_ids], "a list of prompts")
         width = max(p.numel() for p in prompts)
         padded = torch.full((len(prompts), width), -1, dtype=torch.long)
         for b, p in enumerate(prompts):

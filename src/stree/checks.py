@@ -32,6 +32,21 @@ def check_ids(name, ids, vocab):
     check_token_ids(name, ids, vocab)
 
 
+def check_prompts(prompts, caller, vocab=None):
+    """prompts (a sequence of 1-D integer tensors of token ids, lengths may differ) as a list, each non-empty and,
+    given `vocab`, in [0, vocab); ValueError naming `caller` for an empty sequence."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"{caller} needs at least one prompt")
+    for prompt in prompts:
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0 or (
+                prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
+            raise ValueError("each prompt must be a non-empty 1-D integer tensor of token ids")
+        if vocab is not None:
+            check_token_ids("prompt", prompt, vocab)
+    return prompts
+
+
 def check_token_ids(name, ids, vocab, owner="the model's"):
     """Raise ValueError naming `name`, the first id outside 0..vocab-1 and the vocabulary's size, if any of `ids` (a
     tensor, a numpy array or a sequence of ints) is one."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..checks import check_token_ids, vocab_size
+from ..checks import check_prompts, check_token_ids, vocab_size
 from .cache import StateCache
 from .compile import PASS_SIZES, compile_options, own_copy, with_recompile_limit
 from .device_growth import DeviceGrowth
@@ -174,9 +174,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             raise ValueError("rows of different lengths need eager passes (compiled passes are fixed to a batch)")
         if self.tree is not None:
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
-        prompts = [_checked_prompt(p, self.device) for p in prompts]
-        if not prompts:
-            raise ValueError("add_rows needs at least one prompt")
+        prompts = [p.long().to(self.device) for p in check_prompts(prompts, "add_rows")]
         groups = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(prompt.shape[0], []).append(i)
@@ -395,14 +393,6 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         """Forget the uncommitted tree: the state is the committed sequence alone again."""
         self.tree = None
         self._unsettled = 0
-
-
-def _checked_prompt(prompt, device):
-    """A prompt as a 1-D int64 tensor on `device` (ValueError unless a non-empty 1-D integer tensor)."""
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0 or prompt.dtype not in (
-            torch.int64, torch.int32):
-        raise ValueError("each prompt must be a non-empty 1-D integer tensor of token ids")
-    return prompt.long().to(device)
 
 
 def _checked_nodes(tokens, parents, logits_for, batch, vocab):
