@@ -17,10 +17,11 @@ class _MissingExtension(types.ModuleType):
                           "(MAMBA_SKIP_CUDA_BUILD); only its Triton ops run")
 
 
-def enable_mamba_ssm():
-    """Whether mamba_ssm's Triton ops import (placing the stand-in extension first if mamba_ssm is installed
-    without it). Call before the first HF Mamba2 / Bamba model is built: HF picks its kernels at import."""
-    if importlib.util.find_spec("mamba_ssm") is None:
+def enable_mamba_ssm(device):
+    """Whether mamba_ssm's Triton ops import and run on `device` (CUDA only), placing the stand-in extension first
+    if mamba_ssm is installed without it. Call before the first HF Mamba2 / Bamba model is built: HF picks its
+    kernels at import. Every accessor below answers None off CUDA through this check."""
+    if device.type != "cuda" or importlib.util.find_spec("mamba_ssm") is None:
         return False
     if "selective_scan_cuda" not in sys.modules and importlib.util.find_spec("selective_scan_cuda") is None:
         sys.modules.setdefault("selective_scan_cuda", _MissingExtension("selective_scan_cuda"))
@@ -35,30 +36,30 @@ def enable_mamba_ssm():
 def hf_mamba_kernels(device):
     """What HF's Mamba2 / Bamba models will run on `device`, printed and returned: "mamba_ssm" (its Triton ops,
     enabled here before any model is built) or "torch" (HF's PyTorch path)."""
-    kernels = "mamba_ssm" if device.type == "cuda" and enable_mamba_ssm() else "torch"
+    kernels = "mamba_ssm" if enable_mamba_ssm(device) else "torch"
     print(f"HF's Mamba2 kernels: {kernels}")
     return kernels
 
 
-def mamba_chunk_scan():
-    """mamba_ssm's mamba_chunk_scan_combined, or None."""
-    if not enable_mamba_ssm():
+def mamba_chunk_scan(device):
+    """mamba_ssm's mamba_chunk_scan_combined for `device`, or None."""
+    if not enable_mamba_ssm(device):
         return None
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined
 
 
-def mamba_state_update():
-    """mamba_ssm's selective_state_update, or None."""
-    if not enable_mamba_ssm():
+def mamba_state_update(device):
+    """mamba_ssm's selective_state_update for `device`, or None."""
+    if not enable_mamba_ssm(device):
         return None
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     return selective_state_update
 
 
-def fla_chunk_gated_delta():
-    """fla's chunk_gated_delta_rule, or None."""
-    if importlib.util.find_spec("fla") is None:
+def fla_chunk_gated_delta(device):
+    """fla's chunk_gated_delta_rule for `device` (CUDA only: its Triton kernels need a GPU driver), or None."""
+    if device.type != "cuda" or importlib.util.find_spec("fla") is None:
         return None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

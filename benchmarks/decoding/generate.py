@@ -301,10 +301,10 @@ def measure(args, device, result, save):
                 continue
             model.generation_config.eos_token_id = None  # fixed-length outputs: every method emits the same count
             prompts, source = prompts_for(args, model, device)
+            draft_params = sum(p.numel() for p in draft.parameters())
+            head_params = model_head and sum(p.numel() for p in model_head.own_parameters())
+            head_size = "" if model_head is None else f" (head: {head_params / 1e6:.1f}M + the target's LM head)"
             for temperature in args.temperatures:
-                head_size = "" if model_head is None else \
-                    f" (head: {sum(p.numel() for p in model_head.own_parameters()) / 1e6:.1f}M + the target's LM head)"
-                draft_params = sum(p.numel() for p in draft.parameters())
                 print(f"\n{label}, draft {args.draft} ({draft_params / 1e6:.1f}M){head_size}, {dtype_name}, "
                       f"temperature {temperature}: "
                       f"{args.prompts} x "
@@ -316,7 +316,6 @@ def measure(args, device, result, save):
                 print(format_rows(rows))
                 if args.profile:
                     print(format_profile(rows))
-                head_params = model_head and sum(p.numel() for p in model_head.own_parameters())
                 result["tables"].append(dict(target=label, params=params, draft_params=draft_params,
                                              head_params=head_params, dtype=dtype_name,
                                              temperature=temperature,

@@ -66,7 +66,7 @@ def decode_step_torch(state, x, dt, A, B, C, D, dt_bias):
 
 def decode_step_fn(device):
     """mamba_ssm's selective_state_update on CUDA when installed, else the torch step above."""
-    selective_state_update = mamba_state_update() if device.type == "cuda" else None
+    selective_state_update = mamba_state_update(device)
     if selective_state_update is not None:
         def step(state, x, dt, A, B, C, D, dt_bias):
             nheads, headdim, dstate = state.shape[1:]
@@ -76,10 +76,6 @@ def decode_step_fn(device):
                                           dt_bias=dt_bias[:, None].expand(nheads, headdim), dt_softplus=True)
         return step, "mamba_ssm"
     return decode_step_torch, "torch"
-
-
-def mamba_chunk_scan_fn(device):
-    return mamba_chunk_scan() if device.type == "cuda" else None
 
 
 def leaf_paths(parents):
@@ -115,7 +111,7 @@ def bench_case(shape, T, batch, device, dtype, generator, backend="auto", min_ti
     index = torch.tensor([p + [p[-1]] * (depth - len(p)) for p in paths], device=device)
     unrolled = {k: layer[k][0][index] for k in ("x", "dt", "B", "C")}
     h0_rows = layer["h0"][:1].expand(len(paths), *layer["h0"].shape[1:]).contiguous()
-    chunk_scan = mamba_chunk_scan_fn(device)
+    chunk_scan = mamba_chunk_scan(device)
 
     def sequence_scan(x, dt, B, C, h0):
         """The ordinary scan over sequences: mamba_ssm's chunk scan when installed, else stree on chains."""
@@ -179,7 +175,7 @@ def gated_delta_case(shape, T, device, dtype, generator, backend, min_time, min_
     kwargs = dict(initial_state=state, use_qk_l2norm=True, backend=backend)
     fns = {"tree_random": lambda: tree_gated_delta_rule(q, k, v, g, beta, parents, **kwargs),
            "tree_chain": lambda: tree_gated_delta_rule(q, k, v, g, beta, chain, **kwargs)}
-    fla = fla_chunk_gated_delta() if device.type == "cuda" else None
+    fla = fla_chunk_gated_delta(device)
     info = {"fla": fla is not None}
     if fla is not None:  # fla's heads are value heads: HF repeats the key heads for it, so does this
         qv, kv = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
