@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
@@ -5,7 +7,7 @@ from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 from kernel_checks import chosen_nodes, chosen_rows
 from loops import BACKENDS, KINDS, path_to, random_rows, scan_loop
 from stree import random_parents
-from stree.triton_kernels import tree_scan, tree_states
+from stree.triton_kernels import TreeIndex, tree_scan, tree_states
 
 def make_inputs(parents_rows, nheads=4, ngroups=2, headdim=8, dstate=16, seed=0, dtype=torch.float32,
                 device="cpu", h0=True, d_per_channel=False):
@@ -147,6 +149,11 @@ def test_tree_states_matches_loop(backend, kind, seed, device):
     again = tree_states(**inputs, nodes=nodes.to(device), **extras, initial_states=held, out=held, backend=backend)
     assert again is held
     torch.testing.assert_close(held, states.float(), rtol=1e-6, atol=1e-6)
+    # no row accepts a node (on a CPU no slot is then read): the states stay as they were
+    before = held.clone()
+    tree_states(**inputs, nodes=torch.full((3,), -1, device=device), **extras, initial_states=held, out=held,
+                backend=backend)
+    torch.testing.assert_close(held, before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -240,7 +247,7 @@ def test_empty_tree_and_permuted_inputs(backend, device):
 def test_a_tree_index_is_reused_across_calls(backend, device):
     """One TreeIndex serves every kernel call on the same trees with the same results as raw parents; a TreeIndex
     of other trees is refused."""
-    from stree.triton_kernels import TreeIndex, tree_conv1d, tree_conv_state
+    from stree.triton_kernels import tree_conv1d, tree_conv_state
     rows = random_rows("random", 9, batch=2, seed=3)
     inputs, extras = make_inputs(rows, device=device)
     parents = inputs.pop("parents")
@@ -282,9 +289,40 @@ def test_tree_scan_rows_match_loop(backend, kind, per_row, device):
     assert_close(y, want, torch.float32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_scan_one_row_matches_loop(backend, per_row, seed, device):
+    """One node asked for (a drafting level's pass: the CPU path reads the state by a multiply-and-sum there, by a
+    product for several rows), with several heads per group, equals the naive loop's output at that node."""
+    _check_few_rows(tree_scan, 1, per_row, seed, device, backend=backend)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_compiled_torch_tree_scan_matches_loop(count):
+    """Compiled, the CPU path reads the state its own way (a fused multiply-and-sum, see _from_state): one and three
+    rows, one graph each, equal the naive loop."""
+    compiled = torch.compile(functools.partial(tree_scan, backend="torch", validate=False), dynamic=False)
+    _check_few_rows(compiled, count, True, count, "cpu")
+
+
+def _check_few_rows(scan, count, per_row, seed, device, **options):
+    """scan's outputs at `count` random nodes per batch row (shared by the rows unless per_row) equal the loop's."""
+    T, batch = 9, 2
+    parents_rows = random_rows("random", T, batch=batch, seed=seed)
+    inputs, extras = make_inputs(parents_rows, nheads=6, ngroups=2, seed=seed, device=device)
+    nodes = torch.randint(0, T, (batch, count), generator=torch.Generator().manual_seed(seed))
+    rows = nodes if per_row else nodes[0]
+    y = scan(**dict(inputs, parents=TreeIndex(inputs["parents"])), **extras, rows=rows.to(device), **options)
+    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
+                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    want = torch.stack([y_ref[b, rows[b] if per_row else rows] for b in range(batch)])
+    assert y.shape == want.shape == (batch, count, 6, 8)
+    assert_close(y, want, torch.float32)
+
+
 def test_prebuilt_tree_index_equals_a_solved_one(device):
     """TreeIndex.prebuilt takes a caller's structure unchecked; given the right mask it computes what TreeIndex does."""
-    from stree.triton_kernels import TreeIndex
     parents = torch.tensor(random_rows("random", 10, batch=2, seed=2), device=device)
     solved = TreeIndex(parents)
     prebuilt = TreeIndex.prebuilt(parents, solved.mask.clone())
