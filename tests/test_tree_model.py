@@ -324,7 +324,7 @@ def test_every_tensor_a_pass_writes_in_place_is_marked_static(family):
     model = tiny_model(family)
     tokens, parents = random_tree(6, seed=3)
     tm = TreeModel(model, nodes=4)
-    tm._static_buffers = tm._commit_in_pass = True  # what compile() sets on CUDA
+    tm._static_buffers = True  # what compile() sets on CUDA
     tm.prefill(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2)))
     for slots in (4, 8):  # the second tree grows the buffers to 8 slots: the new ones must be marked too
         tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]), slots=slots)
@@ -374,7 +374,7 @@ def test_a_compiled_pass_writes_no_input_that_is_not_static(family):
     tokens, parents = random_tree(6, seed=3)
     graphs = []
     tm = TreeModel(model, nodes=8).compile(backend=static_input_backend(graphs))
-    tm._static_buffers = tm._commit_in_pass = True  # what compile() sets on CUDA
+    tm._static_buffers = True  # what compile() sets on CUDA
     tm.prefill(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2)))
     tm.tree_forward(torch.tensor([tokens[:3]]), torch.tensor([parents[:3]]))
     tm.extend(torch.tensor([tokens[3:]]), torch.tensor([parents[3:]]))  # what drafting on the host runs

@@ -83,7 +83,6 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._feature_forwards = capturing_forwards(self.base, self.feature_layers or (), self._layer_outputs)
         self._min_rows = 1     # fewest new nodes and LM-head rows a pass computes (padded up to them)
         self._compiled = self._static_buffers = False  # static buffers: CUDA graphs replay over fixed addresses
-        self._commit_in_pass = True  # the pending commit runs in the next pass's call (else before it, eagerly)
         self._cache = None
         self._weights = None   # weights_version when the mixer adapters were built
         self.tree = None       # HostTree of the uncommitted tree
@@ -243,10 +242,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         mid-generation, ~5 s on a CPU); False when one-node passes are frequent and their own graphs are warmed up
         by the caller (a compiled one-node pass costs ~0.8x a padded one)."""
         cuda = self.device.type == "cuda"
-        # A CPU commits eagerly, before the compiled pass: compiled, the in-place state updates are functionalized
-        # into a new state and a copy back, three passes over the states (10.5 ms against 2.4 at the 0.9B target's
-        # shapes); on CUDA the commit rides in the pass's graph (one replay, no launches of its own).
-        self._static_buffers = self._commit_in_pass = cuda
+        self._static_buffers = cuda
         options.setdefault("dynamic", False if self.pass_width is not None else None)
         if self.pass_width is None and self.nodes > 1 and pad_single:
             self._min_rows = 2
@@ -332,7 +328,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if self._pending is not None and (self._pending[1].capacity != tree.capacity or (
                 cache.capacity is not None and cache.length + tree.capacity > cache.capacity)):
             self._apply_pending()  # buffers are about to grow: the commit, shaped for the old ones, goes first
-        if not self._commit_in_pass:
+        if self._compiled and not self._static_buffers:
+            # A CPU commits eagerly, before the compiled pass: compiled, the in-place state updates are functionalized
+            # into a new state and a copy back, three passes over the states (10.5 ms against 2.4 at the 0.9B
+            # target's shapes). With CUDA graphs the commit rides in the pass's graph (one replay).
             self._apply_pending()
         for layers, _ in self._layers.values():
             layers.reserve(tree.capacity)

@@ -50,21 +50,18 @@ def _from_state(initial_states, C_g, cd):
     """C·h0 for every query row: (batch, G, heads in group, R, headdim) from initial_states (batch, nheads,
     headdim, dstate) and C_g (batch, G, R, dstate).
 
-    Eager, read straight from the state, row by row (h0 @ C^T): once the states are out of cache (a pass reads every
-    layer's), C @ h0^T costs 3-4x as much on a CPU, and a single query row goes through the matrix-vector product,
-    about as slow, which a multiply-and-sum avoids. Compiled, one broadcast multiply-and-sum that inductor fuses
-    into a reduction whose output is row-major: a product's (heads * P, R) output made inductor tile the kernel that
-    reads it along the 1-4 rows (a 61M draft's pass: 1.6 ms of that kernel against 0.3)."""
+    Read straight from the state, row by row (h0 @ C^T): once the states are out of cache (a pass reads every
+    layer's), C @ h0^T costs 3-4x as much on a CPU. A single query row would go through the matrix-vector product,
+    about as slow, and compiled, the product's (heads * P, R) output made inductor tile the kernel that reads it
+    along the 1-4 rows (a 61M draft's pass: 1.6 ms of that kernel against 0.3): both take a multiply-and-sum
+    instead, which inductor fuses into a reduction with a row-major output."""
     batch, G, R, dstate = C_g.shape
     nheads, headdim = initial_states.shape[1:3]
     h0 = as_dtype(initial_states, cd).view(batch, G, nheads // G * headdim, dstate)  # (batch, G, heads * P, N)
-    if torch.compiler.is_compiling():
-        from_h0 = (h0[:, :, None] * C_g[..., None, :]).sum(-1)
+    if R == 1 or torch.compiler.is_compiling():
+        from_h0 = (h0[:, :, None] * C_g[..., None, :]).sum(-1)                    # (batch, G, R, heads * P)
         return from_h0.view(batch, G, R, nheads // G, headdim).transpose(2, 3)
-    if R == 1:
-        from_h0 = (h0 * C_g).sum(-1, keepdim=True)
-    else:
-        from_h0 = torch.matmul(h0, C_g.transpose(2, 3))                          # (batch, G, heads * P, R)
+    from_h0 = torch.matmul(h0, C_g.transpose(2, 3))                              # (batch, G, heads * P, R)
     return from_h0.view(batch, G, nheads // G, headdim, R).transpose(3, 4)
 
 
