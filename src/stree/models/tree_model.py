@@ -231,11 +231,11 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         return {self._copy_of[m]: forward for m, forward in packed.items() if m in self._copy_of}
 
     def compile(self, *, pad_single=True, **options):
-        """Compile the device part of every pass (with the pending commit's) with torch.compile (inductor; on CUDA
-        with mode="reduce-overhead", i.e. CUDA graphs, unless `options` say otherwise). Shapes must not change from
-        pass to pass, so the TreeModel needs enough node slots and, for one graph per shape, a pass_width; without
-        one the number of new nodes is a dynamic dimension (torch.compile's automatic dynamic shapes: one more
-        compilation when it first changes). A buffer that grows recompiles.
+        """Compile the device part of every pass (on CUDA with the pending commit's; a CPU commits eagerly first) with
+        torch.compile (inductor; on CUDA with mode="reduce-overhead", i.e. CUDA graphs, unless `options` say
+        otherwise). Shapes must not change from pass to pass, so the TreeModel needs enough node slots and, for one
+        graph per shape, a pass_width; without one the number of new nodes is a dynamic dimension (torch.compile's
+        automatic dynamic shapes: one more compilation when it first changes). A buffer that grows recompiles.
 
         pad_single: without a pass_width, pad passes of one new node and LM heads of one row to two (a dynamic
         dimension is still specialised at size 1: a first one-node pass, rare in a tree model, would compile again
