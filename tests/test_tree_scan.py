@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
-from kernel_checks import chosen_nodes, chosen_rows
+from kernel_checks import chosen_nodes, chosen_rows, cpu
 from loops import BACKENDS, KINDS, path_to, random_rows, scan_loop
 from stree import random_parents
 from stree.triton_kernels import TreeIndex, tree_scan, tree_states
@@ -314,8 +314,7 @@ def _check_few_rows(scan, count, per_row, seed, device, **options):
     nodes = torch.randint(0, T, (batch, count), generator=torch.Generator().manual_seed(seed))
     rows = nodes if per_row else nodes[0]
     y = scan(**dict(inputs, parents=TreeIndex(inputs["parents"])), **extras, rows=rows.to(device), **options)
-    y_ref, _ = scan_loop(**{k: v.cpu() for k, v in inputs.items()},
-                         **{k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()})
+    y_ref, _ = scan_loop(**cpu(inputs), **cpu(extras))
     want = torch.stack([y_ref[b, rows[b] if per_row else rows] for b in range(batch)])
     assert y.shape == want.shape == (batch, count, 6, 8)
     assert_close(y, want, torch.float32)
