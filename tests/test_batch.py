@@ -217,28 +217,49 @@ def test_bad_batches_get_clear_errors(call, message):
 
 
 def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
-    """BatchSizes against rounds whose tokens per second are known per arm: after a few rounds it uses the fastest
-    arm in all but its exploring rounds, starts a new batch size from the nearest size's choice, and moves when
-    the fastest arm changes."""
+    """BatchSizes against rounds whose tokens per second are known per arm, a round that switched arms paying
+    five times as long (one-off costs: buffers resized, the draft catching up): after a few rounds it uses the
+    fastest arm in all but its exploring rounds, starts a new batch size from the nearest size's choice, and moves
+    when the fastest arm changes."""
     from stree.adaptive.batch_sizes import BatchSizes
     sizes = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
-    assert [getattr(a, "branching", None) or (a and a.budget) for a in sizes.arms] == [None, (1,), (1, 1), 6, 10, 16]
+    assert [getattr(a, "branching", None) or (a and a.budget) for a in sizes.arms] == [None, (1,), (1, 1), 4, 6, 10, 16]
+    previous = [None]
 
     def run(rows, rates, rounds):
         chosen = []
         for _ in range(rounds):
             arm = sizes.choose(rows)
-            sizes.observe(rows, arm, tokens=rates[arm], seconds=1.0)
+            sizes.observe(rows, arm, tokens=rates[arm], seconds=1.0 if arm == previous[0] else 5.0)
             chosen.append(arm)
+            previous[0] = arm
         return chosen
 
-    assert run(1, [10, 20, 30, 25, 15, 40], 1) == [5]  # one row, nothing measured: the spec's own tree
-    chosen = run(4, [10, 20, 30, 25, 15, 5], 40)  # from size 1's fastest down the slope to arm 2
-    assert chosen[0] == 5 and chosen[-16:].count(2) >= 14
+    # one row, nothing measured: the spec's own tree, twice (a round that switched is not measured)
+    assert run(1, [10, 20, 30, 25, 22, 15, 40], 2) == [6, 6]
+    chosen = run(4, [10, 20, 30, 25, 22, 15, 5], 40)  # from size 1's fastest down the slope to arm 2
+    assert chosen[0] == 6 and chosen[-16:].count(2) >= 14
     fresh = BatchSizes(stree.DynamicTree(adaptive=True))
     assert fresh.choose(8) == 0  # several rows, nothing measured: a plain step first
-    assert run(16, [50, 20, 30, 25, 15, 5], 1) == [2]  # a new size starts from size 4's fastest
-    chosen = run(16, [50, 20, 30, 25, 15, 5], 40)
+    assert run(16, [50, 20, 30, 25, 22, 15, 5], 1) == [2]  # a new size starts from size 4's fastest
+    chosen = run(16, [50, 20, 30, 25, 22, 15, 5], 40)
     assert chosen[-16:].count(0) >= 14  # ... and jumps to the plain step past a slower arm 1
-    chosen = run(16, [5, 20, 30, 25, 15, 5], 60)  # plain steps got slow: back to a tree
+    chosen = run(16, [5, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
     assert chosen[-16:].count(2) >= 14
+
+
+def test_batch_sizes_see_what_a_round_produced_also_where_a_budget_cut_it():
+    """A round that accepts whole chains but may emit only one more token a row (max_new_tokens): the adaptive
+    choice is told the tokens the arm produced (accepted drafts and the bonus), not the budget's cut, else the
+    last rounds of every row would make trees look no better than plain steps."""
+    target = without_eos(tiny_model("mamba2"))
+    draft = noisy_copy(target, scale=0.0, seed=1)  # the target itself: every draft is accepted
+    batch = Batch(target, draft_model=draft, max_new_tokens=2)
+    chain_2 = next(i for i, arm in enumerate(batch.sizes.arms) if getattr(arm, "branching", None) == (1, 1))
+    seen = []
+    batch.sizes.choose = lambda rows: chain_2
+    batch.sizes.observe = lambda rows, arm, tokens, seconds: seen.append((rows, arm, tokens))
+    batch.add(random_prompts([4, 6, 5], seed=3))  # each row emits its first token here, one more in the round
+    batch.step()
+    assert seen == [(3, chain_2, 3 * 3)]  # three rows, each the root's two accepted drafts and the bonus
+    assert {len(out) for out in batch.finished().values()} == {6, 8, 7}

@@ -107,6 +107,8 @@ class Batch:
             row.out.emit([root])
             row.trunk = [root]
         self.rows += new
+        if self.sizes is not None:
+            self.sizes.rows_changed()
         self._drop_finished()
         return new[0].id if single else [row.id for row in new]
 
@@ -133,16 +135,15 @@ class Batch:
                  ([row.out.generated[-1]], [-1], [0]) for row, d in zip(self.rows, drafted)]
         verdicts = self._verify(self._target_scores(trees), trees, drafted)
         self.stats.target_passes += 1
-        emitted = 0
         for row, (tokens, _, _), (accepted, bonus) in zip(self.rows, trees, verdicts):
             count = len(row.out.emit([tokens[n] for n in accepted[1:]] + [bonus]))
-            emitted += count
             self.stats.tokens_per_pass.append(count)
             self.stats.tree_sizes.append(len(tokens))
         self.target.commit([accepted[-1] for accepted, _ in verdicts])
         self._commit_draft(drafted, verdicts)
-        if arm is not None:
-            self.sizes.observe(rows, arm, emitted, time.perf_counter() - start)
+        if arm is not None:  # the arm's worth is the tokens it produced, also where a row's budget cut them short
+            produced = sum(len(accepted) for accepted, _ in verdicts)
+            self.sizes.observe(rows, arm, produced, time.perf_counter() - start)
         self._drop_finished()
 
     def _round_tree(self):
@@ -220,6 +221,8 @@ class Batch:
         self.stats.new_tokens += sum(len(row.out.generated) for row in self.rows if row.out.done)
         self._done.update((row.id, row.out.sequence()[0]) for row in self.rows if row.out.done)
         self.rows = [self.rows[b] for b in keep]
+        if self.sizes is not None:
+            self.sizes.rows_changed()
         self.target.keep_rows(keep) if keep else self.target.clear()
         if self.drafting:
             self.draft.keep_rows(keep) if keep else self.draft.clear()

@@ -3,9 +3,9 @@
 At batch B a target pass over trees of n nodes runs B * n rows, so the size that pays shrinks as B grows (on a CPU a
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
-a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are kept per arm and per batch size (rounded
-up to a power of two) as a moving average. At a new size the fastest arm of the nearest size measured starts (with
-nothing measured: the spec's tree for one row, a plain step for more); its
+a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are
+kept per arm and per batch size (rounded up to a power of two) as a moving average. At a new size the fastest arm of
+the nearest size measured starts (with nothing measured: the spec's tree for one row, a plain step for more); its
 neighbours and the plain step are tried next, and again from time to time (more rarely while the fastest stays the
 same), so the choice climbs to the fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
@@ -13,11 +13,11 @@ import dataclasses
 
 from ..shapes import StaticTree
 
-# The arms below the spec's own tree: chains of 1 and 2 drafts (at a large batch the cheapest speculation pays
-# best: measured on the 0.9B target at B = 4, chain-2 beat a 3-node DynamicTree), then smaller dynamic trees
-# (budget, depth).
+# The arms below the spec's own tree: chains of 1 and 2 drafts, then dynamic trees of these budgets (with the spec's
+# depth). On the 0.9B target at B = 4 (bf16, AVX-512 CPU: 4 rows 96 ms a pass, 12 rows 138, 20 about 150, 28 about
+# 190) a 4-draft DynamicTree (tau 2.55) beat chain-2 (1.94), chain-3 (2.16) and 6-draft trees (2.6-2.7).
 CHAINS = ((1,), (1, 1))
-SMALLER = ((6, 3), (10, 4))
+SMALLER = (4, 6, 10)
 
 
 class BatchSizes:
@@ -27,14 +27,15 @@ class BatchSizes:
     def __init__(self, spec, explore=8, weight=0.3):
         full = dataclasses.replace(spec, adaptive=False)
         self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
-            dataclasses.replace(full, budget=b, depth=min(d, spec.depth))
-            for b, d in SMALLER if spec.top_k <= b < spec.budget] + [full]
+            dataclasses.replace(full, budget=budget) for budget in SMALLER if spec.top_k <= budget < spec.budget]
+        self.arms.append(full)
         self.explore, self.weight = explore, weight
         self.rates = {}   # (size, arm) -> moving average of tokens per second
         self.rounds = {}  # size -> rounds decided at that size
-        self.seen = {}    # (size, arm) -> rounds measured
         self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
         self.explored = {}  # size -> explorations so far
+        self.last = None    # (size, arm) of the last round observed; None: the rows changed since
+        self.again = None   # (size, arm) that runs once more: its last round was a switch, not measured
 
     @staticmethod
     def size(rows):
@@ -47,9 +48,12 @@ class BatchSizes:
         every node of a batch's tree costs rows); now and then a neighbour of it or the plain step instead (those
         not measured at this size first), so that the choice climbs to the fastest arm and follows it when it
         changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 8 x
-        explore), back to `explore` when it changed; halfway between, an arm measured in a single round gets a
-        second one."""
+        explore), back to `explore` when it changed. An arm switched to runs two rounds (observe: the first is not
+        measured)."""
         size = self.size(rows)
+        if self.again is not None and self.again[0] == size:
+            arm, self.again = self.again[1], None
+            return arm
         count = self.rounds[size] = self.rounds.get(size, 0) + 1
         best = self._fastest(size)
         if best is None:  # nothing measured yet: one row, the spec's tree; more, a plain step (then climb)
@@ -65,9 +69,6 @@ class BatchSizes:
             self.schedule[size] = (interval, count + interval, best)
             self.explored[size] = self.explored.get(size, 0) + 1
             return others[self.explored[size] % len(others)]
-        once = [arm for arm in range(len(self.arms)) if self.seen.get((size, arm)) == 1 and arm not in others]
-        if once and count == due - interval // 2:
-            return once[0]  # a single round is a poor measure (it may have paid one-off costs): one more
         return best
 
     def _fastest(self, size, measured_here=False):
@@ -79,9 +80,17 @@ class BatchSizes:
         return None
 
     def observe(self, rows, arm, tokens, seconds):
-        """A round of `rows` rows with arm `arm` emitted `tokens` tokens in `seconds`. An arm's first round at a
-        size is replaced by its second (a first round may pay one-off costs), later ones averaged."""
+        """A round of `rows` rows with arm `arm` produced `tokens` tokens in `seconds`. A round that switched arm
+        or batch size, or came after rows joined or left (rows_changed), is not measured: it pays one-off costs
+        (node buffers resized, the draft catching up with plain steps' tokens, states copied) that the arm does
+        not pay round after round; that arm runs one more round instead (choose). Later rounds are averaged."""
         key = (self.size(rows), arm)
+        if key != self.last:
+            self.last = self.again = key
+            return
         rate = tokens / max(seconds, 1e-9)
-        seen = self.seen[key] = self.seen.get(key, 0) + 1
-        self.rates[key] = rate if seen <= 2 else (1 - self.weight) * self.rates[key] + self.weight * rate
+        self.rates[key] = rate if key not in self.rates else (1 - self.weight) * self.rates[key] + self.weight * rate
+
+    def rows_changed(self):
+        """Rows joined or left the batch: the next round is not measured (see observe)."""
+        self.last = None
