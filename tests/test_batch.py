@@ -226,7 +226,7 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
     assert [getattr(a, "branching", None) or (a and a.budget) for a in sizes.arms] == [None, (1,), (1, 1), 4, 6, 10, 16]
     previous = [None]
 
-    def run(rows, rates, rounds):
+    def run(sizes, rows, rates, rounds):
         chosen = []
         for _ in range(rounds):
             arm = sizes.choose(rows)
@@ -236,16 +236,23 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
         return chosen
 
     # one row, nothing measured: the spec's own tree, twice (a round that switched is not measured)
-    assert run(1, [10, 20, 30, 25, 22, 15, 40], 2) == [6, 6]
-    chosen = run(4, [10, 20, 30, 25, 22, 15, 5], 40)  # from size 1's fastest down the slope to arm 2
-    assert chosen[0] == 6 and chosen[-16:].count(2) >= 14
+    assert run(sizes, 1, [10, 20, 30, 25, 22, 15, 40], 2) == [6, 6]
+    # four rows start with the tree whose pass has as many rows as size 1's fastest (17 nodes: 4 x chain-2's 3 nodes
+    # <= 17 < 4 x 5), then climb to the fastest, arm 3
+    chosen = run(sizes, 4, [10, 20, 25, 30, 22, 15, 5], 40)
+    assert chosen[0] == 2 and chosen[-16:].count(3) >= 12
     fresh = BatchSizes(stree.DynamicTree(adaptive=True))
     assert fresh.choose(8) == 0  # several rows, nothing measured: a plain step first
-    assert run(16, [50, 20, 30, 25, 22, 15, 5], 1) == [2]  # a new size starts from size 4's fastest
-    chosen = run(16, [50, 20, 30, 25, 22, 15, 5], 40)
-    assert chosen[-16:].count(0) >= 14  # ... and jumps to the plain step past a slower arm 1
-    chosen = run(16, [5, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
+    # sixteen rows: even chain-1 (16 x 2 rows) is a larger pass than size 4's fastest (4 x 5): a plain step
+    assert run(sizes, 16, [50, 20, 30, 25, 22, 15, 5], 1) == [0]
+    chosen = run(sizes, 16, [50, 20, 30, 25, 22, 15, 5], 40)
+    assert chosen[-16:].count(0) >= 14  # ... which stays the fastest
+    chosen = run(sizes, 16, [5, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
     assert chosen[-16:].count(2) >= 14
+    # the last row of a batch that chose chain-2 at four rows (12 rows a pass) starts with the 10-draft tree
+    tail = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
+    run(tail, 4, [10, 20, 30, 25, 22, 15, 5], 30)
+    assert run(tail, 1, [10, 20, 30, 25, 22, 15, 5], 1) == [5]
 
 
 def test_batch_sizes_see_what_a_round_produced_also_where_a_budget_cut_it():

@@ -4,14 +4,14 @@ At batch B a target pass over trees of n nodes runs B * n rows, so the size that
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
 a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are
-kept per arm and per batch size (rounded up to a power of two) as a moving average. At a new size the fastest arm of
-the nearest size measured starts (with nothing measured: the spec's tree for one row, a plain step for more); its
-neighbours and the plain step are tried next, and again from time to time (more rarely while the fastest stays the
+kept per arm and per batch size (rounded up to a power of two) as a moving average. A new size starts from the arm whose target
+pass has as many rows (batch x nodes) as the fastest arm's at the nearest size measured (with nothing measured: the
+spec's tree for one row, a plain step for more); its neighbours and the plain step are tried next, and again from time to time (more rarely while the fastest stays the
 same), so the choice climbs to the fastest arm and follows it when it changes (rows leaving, longer contexts).
 """
 import dataclasses
 
-from ..shapes import StaticTree
+from ..shapes import StaticTree, tree_shapes
 
 # The arms below the spec's own tree: chains of 1 and 2 drafts, then dynamic trees of these budgets (with the spec's
 # depth). On the 0.9B target at B = 4 (bf16, AVX-512 CPU: 4 rows 96 ms a pass, 12 rows 138, 20 about 150, 28 about
@@ -29,6 +29,7 @@ class BatchSizes:
         self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
             dataclasses.replace(full, budget=budget) for budget in SMALLER if spec.top_k <= budget < spec.budget]
         self.arms.append(full)
+        self.nodes = [1] + [tree_shapes(arm)[0] for arm in self.arms[1:]]  # a row's nodes in the target pass
         self.explore, self.weight = explore, weight
         self.rates = {}   # (size, arm) -> moving average of tokens per second
         self.rounds = {}  # size -> rounds decided at that size
@@ -44,8 +45,7 @@ class BatchSizes:
 
     def choose(self, rows):
         """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
-        the fastest at the nearest size measured, else the spec's own tree for one row and a plain step for more:
-        every node of a batch's tree costs rows); now and then a neighbour of it or the plain step instead (those
+        _start's); now and then a neighbour of it or the plain step instead (those
         not measured at this size first), so that the choice climbs to the fastest arm and follows it when it
         changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 8 x
         explore), back to `explore` when it changed. An arm switched to runs two rounds (observe: the first is not
@@ -56,12 +56,12 @@ class BatchSizes:
             return arm
         count = self.rounds[size] = self.rounds.get(size, 0) + 1
         best = self._fastest(size)
-        if best is None:  # nothing measured yet: one row, the spec's tree; more, a plain step (then climb)
-            return len(self.arms) - 1 if size == 1 else 0
+        if best is None:
+            return self._start(size)
         # the plain step too: it drafts nothing, so its rate need not continue the trees' slope
         others = sorted({arm for arm in (0, best - 1, best + 1) if 0 <= arm < len(self.arms)} - {best})
         untried = [arm for arm in others if (size, arm) not in self.rates]
-        if untried and self._fastest(size, measured_here=True) is not None:
+        if untried:
             return untried[0]
         interval, due, last_best = self.schedule.get(size, (self.explore, self.explore, best))
         if count >= due:  # explore; less often while the fastest stays the same (at most every 8 x explore)
@@ -71,13 +71,21 @@ class BatchSizes:
             return others[self.explored[size] % len(others)]
         return best
 
-    def _fastest(self, size, measured_here=False):
-        """The fastest arm measured at `size`, else (unless measured_here) at the nearest size measured; None."""
-        sizes = sorted({s for s, _ in self.rates}, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
-        for known in sizes[:1] if not measured_here else [size] if size in sizes else []:
-            measured = [arm for arm in range(len(self.arms)) if (known, arm) in self.rates]
-            return max(measured, key=lambda arm: self.rates[known, arm])
-        return None
+    def _start(self, size):
+        """The arm a size starts from, before anything is measured at it: the one whose target pass has about as
+        many rows as the fastest arm's at the nearest size measured (a pass costs by its rows, batch x nodes: four
+        rows' chain-2 is one row's 10-draft tree), else the spec's own tree for one row and a plain step for more."""
+        measured = {s for s, _ in self.rates}
+        if not measured:
+            return len(self.arms) - 1 if size == 1 else 0
+        known = min(measured, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
+        rows = known * self.nodes[self._fastest(known)]
+        return max(arm for arm in range(len(self.arms)) if arm == 0 or size * self.nodes[arm] <= rows)
+
+    def _fastest(self, size):
+        """The fastest arm measured at `size`; None if none is."""
+        measured = [arm for arm in range(len(self.arms)) if (size, arm) in self.rates]
+        return max(measured, key=lambda arm: self.rates[size, arm]) if measured else None
 
     def observe(self, rows, arm, tokens, seconds):
         """A round of `rows` rows with arm `arm` produced `tokens` tokens in `seconds`. A round that switched arm
