@@ -12,6 +12,11 @@ benchmarks/results/<machine kind>/.
     python -m benchmarks.decoding.batch --large --dtype bfloat16 --batches 1 4 16   # the 0.9B target, bf16
     python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 61M draft
     python -m benchmarks.decoding.batch --large 8b --large-draft --dtype bfloat16 --device cuda  # 8.9B / 364M pair
+    python -m benchmarks.decoding.batch --prompts-per-row 4    # 4B prompts, B at once: rows join as others end
+
+A batch of fixed-length rows ends with its slowest row: speculation advances rows by different counts, so a tree's
+last rounds run few rows (the plain loop's rows all end together). With --prompts-per-row K a prompt joins as a row
+ends (serving's continuous batching) and only the last of the K x B prompts leave such a tail.
 """
 import argparse
 import os
@@ -39,54 +44,64 @@ def synchronize(model):
         torch.cuda.synchronize()
 
 
-def run_stree(model, draft, prompts, new_tokens, tree):
-    """(seconds, new tokens, per-row latencies, tau, mean nodes per row) of one Batch run to the end."""
+def run_stree(model, draft, prompts, new_tokens, tree, active=None):
+    """(seconds, new tokens, per-row latencies, tau, mean nodes per row) of one Batch run to the end. active: rows
+    decoded at once (default all); more prompts than that join as rows finish (continuous batching)."""
     options = {} if draft is None else {"tree": tree}
+    active = active or len(prompts)
     synchronize(model)
     start = time.perf_counter()
     batch = Batch(model, draft_model=draft, max_new_tokens=new_tokens, **options)
-    ids, latency, tokens = batch.add(prompts), {}, 0
+    rows = dict(zip(batch.add(prompts[:active]), range(active)))  # row id -> prompt index
+    waiting, latency, tokens = list(range(active, len(prompts))), {}, 0
     while batch.active:
         batch.step()
-        for i, output in batch.finished().items():
-            latency[i] = time.perf_counter() - start
-            tokens += output.numel() - prompts[ids.index(i)].numel()
+        done = batch.finished()
+        for i, output in done.items():
+            latency[rows[i]] = time.perf_counter() - start
+            tokens += output.numel() - prompts[rows[i]].numel()
+        joining, waiting = waiting[:len(done)], waiting[len(done):]
+        if joining:
+            rows.update(zip(batch.add([prompts[k] for k in joining]), joining))
     synchronize(model)
     seconds = time.perf_counter() - start
     stats = batch.stats
     nodes = sum(stats.tree_sizes) / max(len(stats.tree_sizes), 1)
-    return seconds, tokens, [latency[i] for i in ids], stats.tau, nodes
+    return seconds, tokens, [latency[k] for k in range(len(prompts))], stats.tau, nodes
 
 
-def run_hf(model, prompts, new_tokens):
-    """The same for HF's batched generate with left padding (tau and nodes: 1)."""
-    width = max(p.numel() for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=model.device)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
-    synchronize(model)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    synchronize(model)
-    seconds = time.perf_counter() - start
+def run_hf(model, prompts, new_tokens, active=None):
+    """The same for HF's batched generate with left padding, `active` prompts a batch, one batch after another (tau
+    and nodes: 1)."""
+    active = active or len(prompts)
     eos = model.generation_config.eos_token_id
     eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
-    tokens = 0
-    for row in out[:, width:].tolist():
-        ends = [k for k, t in enumerate(row) if t in eos]
-        tokens += ends[0] + 1 if ends else len(row)
-    return seconds, tokens, [seconds] * len(prompts), 1.0, 1.0
+    synchronize(model)
+    start, tokens, latency = time.perf_counter(), 0, []
+    for first in range(0, len(prompts), active):
+        group = prompts[first:first + active]
+        width = max(p.numel() for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long, device=model.device)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(group):
+            ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        synchronize(model)
+        for row in out[:, width:].tolist():
+            ends = [k for k, t in enumerate(row) if t in eos]
+            tokens += ends[0] + 1 if ends else len(row)
+        latency += [time.perf_counter() - start] * len(group)
+    return time.perf_counter() - start, tokens, latency, 1.0, 1.0
 
 
 def measure_batch(model, draft, prompts, args):
     """{method: [(seconds, tokens, latencies, tau, nodes)] per repeat}, methods timed round-robin after one
     untimed call each."""
-    tree = parse_tree(args.tree)
-    methods = {"hf": lambda: run_hf(model, prompts, args.new_tokens),
-               "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None),
-               "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree)}
+    tree, active = parse_tree(args.tree), len(prompts) // args.prompts_per_row
+    methods = {"hf": lambda: run_hf(model, prompts, args.new_tokens, active),
+               "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None, active),
+               "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree, active)}
     for fn in methods.values():
         fn()
     runs = {name: [] for name in methods}
@@ -153,6 +168,9 @@ def parse_args(argv):
     parser.add_argument("--tree", default="adaptive", help="the tree (a name stree.shapes.parse_tree reads)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
+    parser.add_argument("--prompts-per-row", type=int, default=1,
+                        help="K > 1: K x B prompts, B decoded at once; stree's loops let the next prompt join as a "
+                             "row ends (continuous batching), HF decodes K padded batches in turn")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/batch-...)")
@@ -172,18 +190,21 @@ def main(argv=None):
     target, draft = target.to(args.device), draft.to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
-          f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.repeats} repeats")
+          f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.prompts_per_row} a row "
+          f"(continuous batching), {args.repeats} repeats")
     pair = pair_tag(args.large, args.large_draft) if args.large else ["demo"]
-    name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype]])
+    continuous = [f"continuous{args.prompts_per_row}"] if args.prompts_per_row > 1 else []
+    name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype], *continuous])
     out = args.out or results_path(machine, name + ".json")
     result = dict(machine, target=model_shape(target), draft=model_shape(draft), hf_kernels=hf_kernels,
                   target_params=sum(p.numel() for p in target.parameters()),
                   draft_params=sum(p.numel() for p in draft.parameters()),
                   dtype=args.dtype, tree=args.tree,
-                  new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, repeats=args.repeats, rows=[],
+                  new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, prompts_per_row=args.prompts_per_row,
+                  repeats=args.repeats, rows=[],
                   complete=False)
     for batch in args.batches:
-        prompts = mixed_prompts(tokenizer, batch, *args.prompt_lens, seed=batch)
+        prompts = mixed_prompts(tokenizer, batch * args.prompts_per_row, *args.prompt_lens, seed=batch)
         result["rows"].append(summarise(batch, measure_batch(target, draft, prompts, args)))
         print(format_table(result["rows"][-1:]) if batch == args.batches[0] else format_table(result["rows"][-1:])
               .split("\n", 1)[1], flush=True)
