@@ -217,7 +217,7 @@ def test_bad_batches_get_clear_errors(call, message):
 
 
 def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
-    """BatchSizes against rounds whose tokens per second are known per arm, a round that switched arms paying
+    """BatchSizes against rounds whose tau and seconds are known per arm, a round that switched arms paying
     five times as long (one-off costs: buffers resized, the draft catching up): after a few rounds it uses the
     fastest arm in all but its exploring rounds, starts a new batch size from the nearest size's choice, and moves
     when the fastest arm changes."""
@@ -226,16 +226,17 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
     assert [getattr(a, "branching", None) or (a and a.budget) for a in sizes.arms] == [None, (1,), (1, 1), 4, 6, 10, 16]
     previous = [None]
 
-    def run(sizes, rows, rates, rounds):
+    def run(sizes, rows, tau, rounds, seconds=(1.0,) * 7):
         chosen = []
         for _ in range(rounds):
             arm = sizes.choose(rows)
-            sizes.observe(rows, arm, tokens=rates[arm], seconds=1.0 if arm == previous[0] else 5.0)
+            switched = 5.0 if arm != previous[0] else 1.0
+            sizes.observe(rows, arm, tokens=rows * tau[arm], seconds=seconds[arm] * switched)
             chosen.append(arm)
             previous[0] = arm
         return chosen
 
-    # one row, nothing measured: the spec's own tree, twice (a round that switched is not measured)
+    # one row, nothing measured: the spec's own tree, twice (a round that switched is not timed)
     assert run(sizes, 1, [10, 20, 30, 25, 22, 15, 40], 2) == [6, 6]
     # four rows start with the tree whose pass has as many rows as size 1's fastest (17 nodes: 4 x chain-2's 3 nodes
     # <= 17 < 4 x 5), then climb to the fastest, arm 3
@@ -244,15 +245,35 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
     fresh = BatchSizes(stree.DynamicTree(adaptive=True))
     assert fresh.choose(8) == 0  # several rows, nothing measured: a plain step first
     # sixteen rows: even chain-1 (16 x 2 rows) is a larger pass than size 4's fastest (4 x 5): a plain step
-    assert run(sizes, 16, [50, 20, 30, 25, 22, 15, 5], 1) == [0]
-    chosen = run(sizes, 16, [50, 20, 30, 25, 22, 15, 5], 40)
+    assert run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 1, seconds=[0.2] + [1.0] * 6) == [0]
+    chosen = run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 40, seconds=[0.2] + [1.0] * 6)
     assert chosen[-16:].count(0) >= 14  # ... which stays the fastest
-    chosen = run(sizes, 16, [5, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
+    chosen = run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
     assert chosen[-16:].count(2) >= 14
     # the last row of a batch that chose chain-2 at four rows (12 rows a pass) starts with the 10-draft tree
     tail = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
     run(tail, 4, [10, 20, 30, 25, 22, 15, 5], 30)
     assert run(tail, 1, [10, 20, 30, 25, 22, 15, 5], 1) == [5]
+    # measured on a busy machine, where arm 3's larger passes suffered most (4 s a round, against 2.5 for the
+    # others), then every round takes 1 s: its old seconds must not hold it back once it is tried again
+    busy = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
+    tau = [10, 20, 30, 40, 22, 15, 5]
+    run(busy, 4, tau, 60, seconds=[2.5, 2.5, 2.5, 4.0, 2.5, 2.5, 2.5])
+    chosen = run(busy, 4, tau, 120)
+    assert chosen[-24:].count(3) >= 18
+
+
+def test_batch_sizes_average_tau_over_all_rounds():
+    """A round's tokens swing with its rows' texts: an arm's tau averages all its rounds, timed or not, so that one
+    lucky round of a worse arm does not take over."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    sizes = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
+    for tokens in [8, 8, 8, 8, 8, 8, 8, 8]:  # chain-1, 2 tokens a row
+        sizes.observe(4, 1, tokens, 1.0)
+    sizes.observe(4, 2, 12, 1.0)  # chain-2's switch round: untimed, but its tokens count
+    sizes.observe(4, 2, 4, 1.0)   # an unlucky round (1 token a row)
+    assert sizes.tau[2] == pytest.approx(0.9 * 3 + 0.1 * 1)
+    assert sizes.rate(4, 2) > sizes.rate(4, 1)
 
 
 def test_batch_sizes_see_what_a_round_produced_also_where_a_budget_cut_it():

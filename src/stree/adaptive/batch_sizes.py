@@ -3,11 +3,13 @@
 At batch B a target pass over trees of n nodes runs B * n rows, so the size that pays shrinks as B grows (on a CPU a
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
-a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; tokens per second are
-kept per arm and per batch size (rounded up to a power of two) as a moving average. A new size starts from the arm whose target
-pass has as many rows (batch x nodes) as the fastest arm's at the nearest size measured (with nothing measured: the
-spec's tree for one row, a plain step for more); its neighbours and the plain step are tried next, and again from time to time (more rarely while the fastest stays the
-same), so the choice climbs to the fastest arm and follows it when it changes (rows leaving, longer contexts).
+a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; an arm's rate is its tau
+(tokens a row, over all its rounds) over its seconds a round at the batch's size (rounded up to a power of two),
+averaged over the arm's latest run of rounds there. A new size starts from the arm whose target pass has as many
+rows (batch x nodes) as the fastest arm's at the nearest size measured (with nothing measured: the spec's tree for
+one row, a plain step for more); its neighbours and the plain step are tried next, and again from time to time (more
+rarely while the fastest stays the same), so the choice climbs to the fastest arm and follows it when it changes
+(rows leaving, longer contexts, a busier machine).
 """
 import dataclasses
 
@@ -24,30 +26,32 @@ class BatchSizes:
     """arms: None (a plain step), chains of 1 and 2 drafts, then DynamicTrees from small to `spec` itself (fixed:
     not adaptive), in growing node count."""
 
-    def __init__(self, spec, explore=8, weight=0.3):
+    def __init__(self, spec, explore=8, weight=0.3, tau_weight=0.1):
         full = dataclasses.replace(spec, adaptive=False)
         self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
             dataclasses.replace(full, budget=budget) for budget in SMALLER if spec.top_k <= budget < spec.budget]
         self.arms.append(full)
         self.nodes = [1] + [tree_shapes(arm)[0] for arm in self.arms[1:]]  # a row's nodes in the target pass
-        self.explore, self.weight = explore, weight
-        self.rates = {}   # (size, arm) -> moving average of tokens per second
+        self.explore, self.weight, self.tau_weight = explore, weight, tau_weight
+        self.tau = {}      # arm -> tokens a row produced in a round, a moving average over all the arm's rounds
+        self.seconds = {}  # (size, arm) -> a round's seconds, averaged over the arm's latest run of rounds
         self.rounds = {}  # size -> rounds decided at that size
         self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
         self.explored = {}  # size -> explorations so far
         self.last = None    # (size, arm) of the last round observed; None: the rows changed since
         self.again = None   # (size, arm) that runs once more: its last round was a switch, not measured
+        self.fresh = True   # whether the next measured round starts its arm's seconds afresh
 
     @staticmethod
     def size(rows):
-        """The batch size `rows` rounded up to a power of two: rates are kept per such size."""
+        """The batch size `rows` rounded up to a power of two: seconds are kept per such size."""
         return 1 << max(rows - 1, 0).bit_length()
 
     def choose(self, rows):
         """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
         _start's); now and then a neighbour of it or the plain step instead (those
         not measured at this size first), so that the choice climbs to the fastest arm and follows it when it
-        changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 8 x
+        changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 4 x
         explore), back to `explore` when it changed. An arm switched to runs two rounds (observe: the first is not
         measured)."""
         size = self.size(rows)
@@ -60,12 +64,12 @@ class BatchSizes:
             return self._start(size)
         # the plain step too: it drafts nothing, so its rate need not continue the trees' slope
         others = sorted({arm for arm in (0, best - 1, best + 1) if 0 <= arm < len(self.arms)} - {best})
-        untried = [arm for arm in others if (size, arm) not in self.rates]
+        untried = [arm for arm in others if (size, arm) not in self.seconds]
         if untried:
             return untried[0]
         interval, due, last_best = self.schedule.get(size, (self.explore, self.explore, best))
-        if count >= due:  # explore; less often while the fastest stays the same (at most every 8 x explore)
-            interval = min(2 * interval, 8 * self.explore) if best == last_best else self.explore
+        if count >= due:  # explore; less often while the fastest stays the same (at most every 4 x explore)
+            interval = min(2 * interval, 4 * self.explore) if best == last_best else self.explore
             self.schedule[size] = (interval, count + interval, best)
             self.explored[size] = self.explored.get(size, 0) + 1
             return others[self.explored[size] % len(others)]
@@ -75,29 +79,41 @@ class BatchSizes:
         """The arm a size starts from, before anything is measured at it: the one whose target pass has about as
         many rows as the fastest arm's at the nearest size measured (a pass costs by its rows, batch x nodes: four
         rows' chain-2 is one row's 10-draft tree), else the spec's own tree for one row and a plain step for more."""
-        measured = {s for s, _ in self.rates}
+        measured = {s for s, _ in self.seconds}
         if not measured:
             return len(self.arms) - 1 if size == 1 else 0
         known = min(measured, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
         rows = known * self.nodes[self._fastest(known)]
         return max(arm for arm in range(len(self.arms)) if arm == 0 or size * self.nodes[arm] <= rows)
 
+    def rate(self, size, arm):
+        """An arm's tokens per row and second at `size`: its tau over its seconds a round there."""
+        return self.tau[arm] / self.seconds[size, arm]
+
     def _fastest(self, size):
         """The fastest arm measured at `size`; None if none is."""
-        measured = [arm for arm in range(len(self.arms)) if (size, arm) in self.rates]
-        return max(measured, key=lambda arm: self.rates[size, arm]) if measured else None
+        measured = [arm for arm in range(len(self.arms)) if (size, arm) in self.seconds]
+        return max(measured, key=lambda arm: self.rate(size, arm)) if measured else None
 
     def observe(self, rows, arm, tokens, seconds):
-        """A round of `rows` rows with arm `arm` produced `tokens` tokens in `seconds`. A round that switched arm
-        or batch size, or came after rows joined or left (rows_changed), is not measured: it pays one-off costs
-        (node buffers resized, the draft catching up with plain steps' tokens, states copied) that the arm does
-        not pay round after round; that arm runs one more round instead (choose). Later rounds are averaged."""
+        """A round of `rows` rows with arm `arm` produced `tokens` tokens in `seconds`.
+
+        The tokens feed the arm's tau, averaged over all its rounds (a round's count swings with its rows' texts far
+        more than its time does). The seconds of a round that switched arm or batch size, or came after rows joined
+        or left (rows_changed), are not kept: it pays one-off costs (node buffers resized, the draft catching up
+        with plain steps' tokens, states copied) that the arm does not pay round after round; that arm runs one
+        more round instead (choose). The seconds of a run of rounds start afresh and are averaged over the run, so
+        arms are compared by recent rounds, not by ones from when the machine was busier or contexts shorter."""
+        per_row, old = tokens / rows, self.tau.get(arm)
+        self.tau[arm] = per_row if old is None else (1 - self.tau_weight) * old + self.tau_weight * per_row
         key = (self.size(rows), arm)
         if key != self.last:
             self.last = self.again = key
+            self.fresh = True
             return
-        rate = tokens / max(seconds, 1e-9)
-        self.rates[key] = rate if key not in self.rates else (1 - self.weight) * self.rates[key] + self.weight * rate
+        kept = self.seconds.get(key)
+        self.seconds[key] = seconds if self.fresh else (1 - self.weight) * kept + self.weight * seconds
+        self.fresh = False
 
     def rows_changed(self):
         """Rows joined or left the batch: the next round is not measured (see observe)."""
