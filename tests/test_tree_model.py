@@ -538,7 +538,8 @@ def commit_random_paths(tm, trees, committed, g):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ragged_rows_equal_each_row_decoded_alone(family):
+@pytest.mark.parametrize("kept", [[2, 0], [0, 2]])  # reordered (a new state) / in order (compacted in place)
+def test_ragged_rows_equal_each_row_decoded_alone(family, kept):
     """Rows with prompts of different lengths (add_rows) run trees in one pass and commit paths of different
     lengths; every node's logits equal HF's sequential decoding of that row alone, also after rows leave
     (keep_rows) and a new row joins (add_rows on a running batch)."""
@@ -554,8 +555,8 @@ def test_ragged_rows_equal_each_row_decoded_alone(family):
     committed = [[] for _ in prompts]
     for round_ in range(3):
         if round_ == 2:  # row 1 leaves, a new prompt joins
-            tm.keep_rows([2, 0])
-            prompts, committed = [prompts[2], prompts[0]], [committed[2], committed[0]]
+            tm.keep_rows(kept)
+            prompts, committed = [prompts[k] for k in kept], [committed[k] for k in kept]
             prompts.append(torch.randint(0, 64, (4,), generator=g))
             committed.append([])
             tm.add_rows(prompts[-1:], max_length=40)
@@ -564,6 +565,38 @@ def test_ragged_rows_equal_each_row_decoded_alone(family):
         assert_rows_match_sequential(model, logits, prompts, committed, trees, tol)
         commit_random_paths(tm, trees, committed, g)
     assert tm.cache.lengths.tolist() == [len(p) + len(c) for p, c in zip(prompts, committed)]
+
+
+@pytest.mark.parametrize("family", ["bamba", "jamba", "mamba", "qwen3_next"])
+@pytest.mark.parametrize("kept", [[0, 1, 2, 3], [1, 2, 3], [0, 2], [3], [0, 1, 2]])
+def test_rows_left_in_place_equal_a_selected_copy(family, kept):
+    """keep_rows with rows in order compacts the state in its own buffers (a CPU's fresh tensors cost page faults):
+    every state tensor and length equals index_select's copy of those rows (StateCache.select), and no buffer is
+    new; a row that joins then goes into the room left."""
+    tm = TreeModel(tiny_model(family, dtype=torch.float64))
+    g = torch.Generator().manual_seed(len(kept))
+    tm.add_rows([torch.randint(0, 64, (n,), generator=g) for n in (4, 2, 6, 3)], max_length=30)
+    trees = [random_tree(4, seed=b) for b in range(4)]
+    tm.tree_forward([t for t, _ in trees], [p for _, p in trees])
+    tm.commit([1, 3, 0, 2])
+    want = tm.cache.select(torch.tensor(kept))
+    buffers = {t.data_ptr() for t in cache_tensors(tm.cache)}
+    tm.keep_rows(kept)
+    got = tm.cache
+    assert got.lengths.tolist() == want.lengths.tolist()
+    for a, b in zip(cache_tensors(got), cache_tensors(want), strict=True):
+        assert torch.equal(a, b)
+    assert {t.data_ptr() for t in cache_tensors(got)} <= buffers
+    if len(kept) < 4:  # a row joins into the room left: the same buffers again (its state: the ragged rows' test)
+        tm.add_rows([torch.randint(0, 64, (3,), generator=g)], max_length=30)
+        assert {t.data_ptr() for t in cache_tensors(tm.cache)} <= buffers
+        assert tm.cache.lengths.tolist() == want.lengths.tolist() + [3]
+
+
+def cache_tensors(cache):
+    """Every state tensor of a StateCache: the groups' conv and recurrent states, then the attention buffers."""
+    return [t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None] + [
+        *cache.keys.values(), *cache.values.values()]
 
 
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "falcon_h1"])

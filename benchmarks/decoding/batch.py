@@ -190,8 +190,9 @@ def main(argv=None):
     target, draft = target.to(args.device), draft.to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
-          f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, {args.prompts_per_row} a row "
-          f"(continuous batching), {args.repeats} repeats")
+          f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, "
+          f"{f'{args.prompts_per_row} a row (continuous batching), ' if args.prompts_per_row > 1 else ''}"
+          f"{args.repeats} repeats")
     pair = pair_tag(args.large, args.large_draft) if args.large else ["demo"]
     continuous = [f"continuous{args.prompts_per_row}"] if args.prompts_per_row > 1 else []
     name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype], *continuous])
