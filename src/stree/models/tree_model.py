@@ -214,7 +214,9 @@ class TreeModel(TreePassRunner, DeviceGrowth):
 
     @torch.no_grad()
     def keep_rows(self, rows):
-        """Keep only rows `rows` (a list of row indices, in the order they become rows 0, 1, ...) of the state."""
+        """Keep only rows `rows` (a list of row indices, in the order they become rows 0, 1, ...) of the state. Rows
+        in increasing order move within the state's own buffers on a CPU (StateCache.keep: the memory stays with the
+        model, and rows that join later go there); any other order makes a new state."""
         if self.tree is not None:
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
         rows = [int(r) for r in rows]
