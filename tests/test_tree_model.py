@@ -581,23 +581,17 @@ def test_rows_left_in_place_equal_a_selected_copy(family, kept):
     tm.tree_forward([t for t, _ in trees], [p for _, p in trees])
     tm.commit([1, 3, 0, 2])
     want = tm.cache.select(torch.tensor(kept))
-    buffers = {t.data_ptr() for t in cache_tensors(tm.cache)}
+    buffers = {t.data_ptr() for t in tm.cache.tensors()}
     tm.keep_rows(kept)
     got = tm.cache
     assert got.lengths.tolist() == want.lengths.tolist()
-    for a, b in zip(cache_tensors(got), cache_tensors(want), strict=True):
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
         assert torch.equal(a, b)
-    assert {t.data_ptr() for t in cache_tensors(got)} <= buffers
+    assert {t.data_ptr() for t in got.tensors()} <= buffers
     if len(kept) < 4:  # a row joins into the room left: the same buffers again (its state: the ragged rows' test)
         tm.add_rows([torch.randint(0, 64, (3,), generator=g)], max_length=30)
-        assert {t.data_ptr() for t in cache_tensors(tm.cache)} <= buffers
+        assert {t.data_ptr() for t in tm.cache.tensors()} <= buffers
         assert tm.cache.lengths.tolist() == want.lengths.tolist() + [3]
-
-
-def cache_tensors(cache):
-    """Every state tensor of a StateCache: the groups' conv and recurrent states, then the attention buffers."""
-    return [t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None] + [
-        *cache.keys.values(), *cache.values.values()]
 
 
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "falcon_h1"])

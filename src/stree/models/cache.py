@@ -61,6 +61,11 @@ class StateCache:
             return t.shape[0]
         return 0
 
+    def tensors(self):
+        """Every state tensor (batch first): the groups' conv and recurrent states, then the attention buffers."""
+        return [*(t for g in self.groups for t in (g.conv, g.recurrent) if t is not None),
+                *self.keys.values(), *self.values.values()]
+
     @property
     def length(self):
         """The frontier: the most tokens any row has committed."""
@@ -183,7 +188,7 @@ class StateCache:
         rows = [int(r) for r in rows]
         if any(b <= a for a, b in zip(rows, rows[1:])):
             raise ValueError(f"keep() takes increasing row indices, got {rows}")
-        tensors = [*(g.conv for g in self.groups), *(t for t in (*self.keys.values(), *self.values.values()))]
+        tensors = self.tensors()
         if not tensors or tensors[0].device.type != "cpu":
             return self.select(torch.tensor(rows, dtype=torch.long, device=tensors[0].device if tensors else None))
 
@@ -251,8 +256,7 @@ class StateCache:
 def _has_room(cache, rows, capacity):
     """Whether every buffer of `cache` is the front of a CPU buffer of at least `rows` rows (and attention buffers of
     at least `capacity` positions)."""
-    tensors = [*(t for g in cache.groups for t in (g.conv, g.recurrent) if t is not None),
-               *cache.keys.values(), *cache.values.values()]
+    tensors = cache.tensors()
     return bool(tensors) and all(
         t.device.type == "cpu" and t._base is not None and t._base.shape[1:] == t.shape[1:]
         and t._base.data_ptr() == t.data_ptr() and t._base.shape[0] >= rows for t in tensors) and all(
