@@ -49,11 +49,10 @@ class BatchSizes:
 
     def choose(self, rows):
         """The arm (an index into arms) for a round of `rows` rows: the fastest measured at this size (at first,
-        _start's); now and then a neighbour of it or the plain step instead (those
-        not measured at this size first), so that the choice climbs to the fastest arm and follows it when it
-        changes: after `explore` rounds, then twice as many each time the fastest stayed the same (up to 4 x
-        explore), back to `explore` when it changed. An arm switched to runs two rounds (observe: the first is not
-        measured)."""
+        _start's); now and then a neighbour of it or the plain step instead (those not measured at this size
+        first), so that the choice climbs to the fastest arm and follows it when it changes: after `explore`
+        rounds, then twice as many each time the fastest stayed the same (up to 4 x explore), back to `explore` when
+        it changed. An arm switched to runs two rounds (observe: the first is not measured)."""
         size = self.size(rows)
         if self.again is not None and self.again[0] == size:
             arm, self.again = self.again[1], None

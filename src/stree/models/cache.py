@@ -181,15 +181,13 @@ class StateCache:
         return StateCache(groups, keys, values, self.lengths[rows.cpu().numpy()])
 
     def keep(self, rows):
-        """Rows `rows` (increasing row indices) of this cache moved to its front in place, as a StateCache of views
-        of the same buffers (this one is spent). On a CPU this takes no new memory: fresh tensors for a batch's
-        states cost more in page faults than the copy (the 0.9B target's 15 rows: 250 ms against 31); on an
-        accelerator it is select()."""
+        """Rows `rows` (row indices, in the order they become rows 0, 1, ...) of this cache, which is spent. Rows in
+        increasing order on a CPU move to the front of its own buffers (a StateCache of views of them): fresh tensors
+        for a batch's states cost more in page faults than the copy (the 0.9B target's 15 rows: 250 ms against 31).
+        Any other order, or an accelerator's buffers, take select()."""
         rows = [int(r) for r in rows]
-        if any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"keep() takes increasing row indices, got {rows}")
         tensors = self.tensors()
-        if not tensors or tensors[0].device.type != "cpu":
+        if not tensors or tensors[0].device.type != "cpu" or any(b <= a for a, b in zip(rows, rows[1:])):
             return self.select(torch.tensor(rows, dtype=torch.long, device=tensors[0].device if tensors else None))
 
         def front(t):  # row j takes row rows[j] >= j: a row is read before any later row is written over it
@@ -209,9 +207,9 @@ class StateCache:
         """One StateCache holding the rows of `caches` in order (equal layouts; attention buffers of `capacity`
         positions, at least each one's committed lengths), each row keeping its own length. Where the first
         cache's buffers have room for the others' rows (rows it kept in place, see keep) they go there."""
-        first = caches[0]
-        if _has_room(first, sum(c.batch for c in caches), capacity):
-            return cls._concat_in_place(caches)
+        first, rows = caches[0], sum(c.batch for c in caches)
+        if _has_room(first, rows, capacity):
+            return cls._concat_in_place(caches, rows)
         groups = [StateGroup(g.layers, torch.cat([c.groups[k].conv for c in caches]),
                              None if g.recurrent is None else torch.cat([c.groups[k].recurrent for c in caches]))
                   for k, g in enumerate(first.groups)]
@@ -220,15 +218,15 @@ class StateCache:
         return cls(groups, keys, values, np.concatenate([c.lengths for c in caches]))
 
     @classmethod
-    def _concat_in_place(cls, caches):
-        """concat() into the first cache's buffers, which have room (_has_room)."""
-        first, rows = caches[0], sum(c.batch for c in caches)
+    def _concat_in_place(cls, caches, rows):
+        """concat() of `rows` rows in all into the first cache's buffers, which have room (_has_room)."""
+        first = caches[0]
 
-        def fill(t, parts, positions=None):  # t: the first cache's (front) view; parts: the others' tensors
+        def fill(t, parts, attention=False):  # t: the first cache's (front) view; parts: the others' tensors
             out, start = t._base[:rows], t.shape[0]
             for part, cache in zip(parts, caches[1:]):
                 end = start + part.shape[0]
-                if positions is None:
+                if not attention:
                     out[start:end].copy_(part)
                 else:  # attention buffers: the committed positions, zeros after them
                     out[start:end, :, :cache.length].copy_(part[:, :, :cache.length])

@@ -222,10 +222,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         rows = [int(r) for r in rows]
         if not rows or any(not 0 <= r < self._cache.batch for r in rows):
             raise ValueError(f"rows must be a non-empty list of row indices below {self._cache.batch}, got {rows}")
-        if rows == sorted(set(rows)):  # dropping rows: in place
-            self._use(self.cache.keep(rows), self._weights)
-        else:
-            self._use(self.cache.select(torch.tensor(rows, device=self.device)), self._weights)
+        self._use(self.cache.keep(rows), self._weights)
 
     def _packed_linears(self, weights):
         """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""
