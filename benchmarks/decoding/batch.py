@@ -10,7 +10,7 @@ benchmarks/results/<machine kind>/.
 
     python -m benchmarks.decoding.batch                                   # bundled pair, float32, B = 1 4 16 64
     python -m benchmarks.decoding.batch --large --dtype bfloat16 --batches 1 4 16   # the 0.9B target, bf16
-    python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 61M draft
+    python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 35M draft
     python -m benchmarks.decoding.batch --large 8b --large-draft --dtype bfloat16 --device cuda  # 8.9B / 364M pair
     python -m benchmarks.decoding.batch --prompts-per-row 4    # 4B prompts, B at once: rows join as others end
 
@@ -164,7 +164,9 @@ def parse_args(argv):
     parser.add_argument("--large", nargs="?", const="0.9b", default=None, choices=list(PAIRS),
                         help="the bundled target inflated to 0.9b (the default), 2.7b or 8b parameters")
     parser.add_argument("--large-draft", action="store_true",
-                        help="with --large, the draft inflated likewise (61M, 128M, 364M)")
+                        help="with --large, the draft inflated likewise (35M, 128M, 364M)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="with --large-draft, the inflated draft's layer count instead of the pair's")
     parser.add_argument("--tree", default="adaptive", help="the tree (a name stree.shapes.parse_tree reads)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
@@ -186,14 +188,15 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = demo_pair(dtype=dtype)
     if args.large:
-        target, draft = inflate_pair(target, draft, args.large, args.device, inflate_draft=args.large_draft)
+        target, draft = inflate_pair(target, draft, args.large, args.device, inflate_draft=args.large_draft,
+                                     draft_layers=args.draft_layers)
     target, draft = target.to(args.device), draft.to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, "
           f"{f'{args.prompts_per_row} a row (continuous batching), ' if args.prompts_per_row > 1 else ''}"
           f"{args.repeats} repeats")
-    pair = pair_tag(args.large, args.large_draft) if args.large else ["demo"]
+    pair = pair_tag(args.large, args.large_draft, args.draft_layers) if args.large else ["demo"]
     continuous = [f"continuous{args.prompts_per_row}"] if args.prompts_per_row > 1 else []
     name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype], *continuous])
     out = args.out or results_path(machine, name + ".json")

@@ -12,7 +12,7 @@ Prints the device, CPU flags and models, then the tables; writes JSON and a PNG 
 
     python -m benchmarks.decoding.generate                                    # bundled pair, float32
     python -m benchmarks.decoding.generate --dtypes float32 bfloat16 --large  # both regimes, both dtypes
-    python -m benchmarks.decoding.generate --dtypes bfloat16 --large --large-draft  # 0.9B with a 60M draft
+    python -m benchmarks.decoding.generate --dtypes bfloat16 --large --large-draft  # 0.9B with a 35M draft
     python -m benchmarks.decoding.generate --dtypes bfloat16 --large 8b --large-draft --large-only  # a GPU's pair
     python -m benchmarks.decoding.generate --compile          # torch.compile'd passes (warm-up reported)
     python -m benchmarks.decoding.generate --both-drafting    # greedy trees drafted on host and device
@@ -209,9 +209,12 @@ def parse_args(argv):
     parser.add_argument("--large-new-tokens", type=int, default=24)
     parser.add_argument("--large-only", action="store_true", help="with --large, skip the bundled pair's own tables")
     parser.add_argument("--large-draft", action="store_true",
-                        help="with --large, draft the large target with the bundled draft inflated likewise (61M "
+                        help="with --large, draft the large target with the bundled draft inflated likewise (35M "
                         "parameters for 0.9b, 128M for 2.7b, 364M for 8b: same drafts, a realistic cost) instead of "
                         "the 1.2M one")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="with --large-draft, the inflated draft's layer count instead of the pair's (0.9b: 4; "
+                        "8 gives the 61M draft)")
     parser.add_argument("--compile", action="store_true", help="torch.compile every pass (warm-up reported)")
     parser.add_argument("--both-drafting", action="store_true",
                         help="also draft each greedy static/dynamic tree the other way than stree.generate's default "
@@ -239,7 +242,7 @@ def parse_args(argv):
 def default_name(args):
     """The JSON's file name from what the run measures, e.g. generate-demo-target-large-bf16-t1.json."""
     parts = ["generate-overhead" if args.overhead_only else "generate", os.path.basename(args.target.rstrip("/"))]
-    parts += pair_tag(args.large, args.large_draft) if args.large and not args.overhead_only else []
+    parts += pair_tag(args.large, args.large_draft, args.draft_layers) if args.large and not args.overhead_only else []
     parts += [SHORT_DTYPES[d] for d in args.dtypes]
     if not args.overhead_only and args.temperatures != [0.0, 1.0]:
         parts.append("t" + "-".join(f"{t:g}" for t in args.temperatures))
@@ -287,7 +290,8 @@ def measure(args, device, result, save):
         draft = load(args.draft, dtype, device)
         targets = [] if args.large and args.large_only else [(args.target, target, args.max_new_tokens, head, draft)]
         if args.large:
-            large, large_draft = inflate_pair(target, draft, args.large, device, inflate_draft=args.large_draft)
+            large, large_draft = inflate_pair(target, draft, args.large, device, inflate_draft=args.large_draft,
+                                              draft_layers=args.draft_layers)
             targets.append((f"{args.target} inflated to {args.large.upper()}", large, args.large_new_tokens,
                             head and inflate_head(head, large, **head_sizes(args.large)), large_draft))
         for label, model, new_tokens, model_head, draft in targets:
