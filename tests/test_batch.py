@@ -226,11 +226,11 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
     assert [getattr(a, "branching", None) or (a and a.budget) for a in sizes.arms] == [None, (1,), (1, 1), 4, 6, 10, 16]
     previous = [None]
 
-    def run(sizes, rows, tau, rounds, seconds=(1.0,) * 7):
+    def run(sizes, rows, tau, rounds, seconds=(1.0,) * 7, switch=5.0):
         chosen = []
         for _ in range(rounds):
             arm = sizes.choose(rows)
-            switched = 5.0 if arm != previous[0] else 1.0
+            switched = switch if arm != previous[0] else 1.0
             sizes.observe(rows, arm, tokens=rows * tau[arm], seconds=seconds[arm] * switched)
             chosen.append(arm)
             previous[0] = arm
@@ -247,20 +247,72 @@ def test_batch_sizes_climb_to_the_fastest_arm_and_follow_it():
     # sixteen rows: even chain-1 (16 x 2 rows) is a larger pass than size 4's fastest (4 x 5): a plain step
     assert run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 1, seconds=[0.2] + [1.0] * 6) == [0]
     chosen = run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 40, seconds=[0.2] + [1.0] * 6)
-    assert chosen[-16:].count(0) >= 14  # ... which stays the fastest
+    assert chosen[-16:].count(0) >= 13  # ... which stays the fastest (an exploration: 3 rounds)
     chosen = run(sizes, 16, [10, 20, 30, 25, 22, 15, 5], 60)  # plain steps got slow: back to a tree
-    assert chosen[-16:].count(2) >= 14
+    assert chosen[-16:].count(2) >= 13
     # the last row of a batch that chose chain-2 at four rows (12 rows a pass) starts with the 10-draft tree
     tail = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
     run(tail, 4, [10, 20, 30, 25, 22, 15, 5], 30)
     assert run(tail, 1, [10, 20, 30, 25, 22, 15, 5], 1) == [5]
     # measured on a busy machine, where arm 3's larger passes suffered most (4 s a round, against 2.5 for the
-    # others), then every round takes 1 s: its old seconds must not hold it back once it is tried again
+    # others), then every round takes 1 s: its old seconds must not hold it back once it is tried again (tries
+    # that cost little: a switch 1.5x a round)
     busy = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
     tau = [10, 20, 30, 40, 22, 15, 5]
-    run(busy, 4, tau, 60, seconds=[2.5, 2.5, 2.5, 4.0, 2.5, 2.5, 2.5])
-    chosen = run(busy, 4, tau, 120)
+    run(busy, 4, tau, 60, seconds=[2.5, 2.5, 2.5, 4.0, 2.5, 2.5, 2.5], switch=1.5)
+    chosen = run(busy, 4, tau, 120, switch=1.5)
     assert chosen[-24:].count(3) >= 18
+
+
+def _plain_steps_with_stray_rounds():
+    """The share of plain steps among the last 100 of 200 rounds at 16 rows, where a plain step (tau 1, 1 s) is
+    5% faster than chain-1 (tau 1.9, 2 s) but every 10th plain round is slowed to 1.5 s by the machine."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    sizes, chosen, plain_rounds, previous = BatchSizes(stree.DynamicTree(adaptive=True), explore=8), [], 0, None
+    tau, seconds = [1.0, 1.9, 2.5, 2.6, 2.7, 2.8, 2.9], [1.0, 2.0, 3.0, 3.5, 4.0, 5.0, 8.0]
+    for _ in range(200):
+        arm = sizes.choose(16)
+        took = seconds[arm] * (5.0 if arm != previous else 1.0)
+        if arm == 0:
+            plain_rounds += 1
+            took *= 1.5 if plain_rounds % 10 == 0 else 1.0
+        sizes.observe(16, arm, 16 * tau[arm], took)
+        chosen.append(arm)
+        previous = arm
+    return chosen[-100:].count(0) / 100
+
+
+def test_batch_sizes_are_not_swayed_by_a_stray_slow_round(monkeypatch):
+    """An arm's seconds are the median of its last three measured rounds: a single round the machine slowed (every
+    10th plain step here) does not hand the batch to an arm 5% slower. Judged by the last round alone (a planted
+    bug, the old estimate of an exploration's single round), each stray round does."""
+    import types
+    from stree.adaptive import batch_sizes
+    assert _plain_steps_with_stray_rounds() >= 0.9
+    monkeypatch.setattr(batch_sizes, "statistics", types.SimpleNamespace(median=lambda kept: kept[-1]))
+    assert _plain_steps_with_stray_rounds() < 0.8
+
+
+def _time_lost_to_tries(budget):
+    """The share of 400 rounds' time at 16 rows beyond always taking plain steps (tau 1, 1 s), the fastest arm,
+    where a switch to a tree costs 10 rounds (the draft's prefill of every row) and trees are slower."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    sizes, previous = BatchSizes(stree.DynamicTree(adaptive=True), explore=8, budget=budget), None
+    tau, seconds = [1.0, 1.7, 2.3, 2.6, 2.7, 2.8, 2.9], [1.0, 2.0, 3.0, 3.5, 4.0, 5.0, 8.0]
+    spent = tokens = 0.0
+    for _ in range(400):
+        arm = sizes.choose(16)
+        took = seconds[arm] * (10.0 if arm and previous == 0 else 1.0)
+        sizes.observe(16, arm, 16 * tau[arm], took)
+        spent, tokens, previous = spent + took, tokens + tau[arm], arm
+    return spent / (tokens / tau[0] * seconds[0]) - 1
+
+
+def test_batch_sizes_keep_what_tries_cost_within_budget():
+    """Tries of other arms are kept to about `budget` of the time: where plain steps are fastest and every try of a
+    tree costs ten rounds, tries every 8-32 rounds (budget unbounded: the planted bug) lose more than half."""
+    assert _time_lost_to_tries(0.03) < 0.06
+    assert _time_lost_to_tries(float("inf")) > 0.15
 
 
 def test_batch_sizes_average_tau_over_all_rounds():

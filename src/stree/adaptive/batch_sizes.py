@@ -4,14 +4,17 @@ At batch B a target pass over trees of n nodes runs B * n rows, so the size that
 16-node tree at B = 16 is a 256-row pass) and at some B no tree pays: a plain decoding step is then the fastest round.
 The batch-1 cost model (RoundCosts) prices single passes; here the round as a whole is measured instead. The arms are
 a plain step, chains of one and two drafts, and dynamic trees from small to the spec's own; an arm's rate is its tau
-(tokens a row, over all its rounds) over its seconds a round at the batch's size (rounded up to a power of two),
-averaged over the arm's latest run of rounds there. A new size starts from the arm whose target pass has as many
+(tokens a row, over all its rounds) over its seconds a round at the batch's size (rounded up to a power of two):
+the median of its last three measured rounds there. A new size starts from the arm whose target pass has as many
 rows (batch x nodes) as the fastest arm's at the nearest size measured (with nothing measured: the spec's tree for
 one row, a plain step for more); its neighbours and the plain step are tried next, and again from time to time (more
 rarely while the fastest stays the same), so the choice climbs to the fastest arm and follows it when it changes
-(rows leaving, longer contexts, a busier machine).
+(rows leaving, longer contexts, a busier machine). What those tries cost beyond the fastest arm's rate is kept under
+a share of all the time observed (`budget`): a try can cost several rounds (the first tree after plain steps
+prefills the draft with every row), and where plain steps are fastest such tries would cost more than they find.
 """
 import dataclasses
+import statistics
 
 from ..shapes import StaticTree, tree_shapes
 
@@ -26,21 +29,22 @@ class BatchSizes:
     """arms: None (a plain step), chains of 1 and 2 drafts, then DynamicTrees from small to `spec` itself (fixed:
     not adaptive), in growing node count."""
 
-    def __init__(self, spec, explore=8, weight=0.3, tau_weight=0.1):
+    def __init__(self, spec, explore=8, samples=3, tau_weight=0.1, budget=0.03):
         full = dataclasses.replace(spec, adaptive=False)
         self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
             dataclasses.replace(full, budget=budget) for budget in SMALLER if spec.top_k <= budget < spec.budget]
         self.arms.append(full)
         self.nodes = [1] + [tree_shapes(arm)[0] for arm in self.arms[1:]]  # a row's nodes in the target pass
-        self.explore, self.weight, self.tau_weight = explore, weight, tau_weight
+        self.explore, self.samples, self.tau_weight, self.budget = explore, samples, tau_weight, budget
         self.tau = {}      # arm -> tokens a row produced in a round, a moving average over all the arm's rounds
-        self.seconds = {}  # (size, arm) -> a round's seconds, averaged over the arm's latest run of rounds
+        self.seconds = {}  # (size, arm) -> the seconds of its last `samples` measured rounds, oldest first
         self.rounds = {}  # size -> rounds decided at that size
         self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
         self.explored = {}  # size -> explorations so far
         self.last = None    # (size, arm) of the last round observed; None: the rows changed since
-        self.again = None   # (size, arm) that runs once more: its last round was a switch, not measured
-        self.fresh = True   # whether the next measured round starts its arm's seconds afresh
+        self.again = None   # (size, arm, rounds) that runs `rounds` more: its last round was a switch, not measured
+        self.elapsed = 0.0  # seconds of every round observed
+        self.regret = 0.0   # seconds of rounds of other arms than the fastest, beyond what it would have taken
 
     @staticmethod
     def size(rows):
@@ -52,10 +56,13 @@ class BatchSizes:
         _start's); now and then a neighbour of it or the plain step instead (those not measured at this size
         first), so that the choice climbs to the fastest arm and follows it when it changes: after `explore`
         rounds, then twice as many each time the fastest stayed the same (up to 4 x explore), back to `explore` when
-        it changed. An arm switched to runs two rounds (observe: the first is not measured)."""
+        it changed, and only while the tries so far cost at most `budget` of the time observed (observe: where tries
+        cost much, the choice follows a change more slowly). An arm switched to runs samples (3) rounds: the first
+        is not measured (observe), the other two outvote one stray round in the median."""
         size = self.size(rows)
         if self.again is not None and self.again[0] == size:
-            arm, self.again = self.again[1], None
+            _, arm, left = self.again
+            self.again = (size, arm, left - 1) if left > 1 else None
             return arm
         count = self.rounds[size] = self.rounds.get(size, 0) + 1
         best = self._fastest(size)
@@ -67,7 +74,8 @@ class BatchSizes:
         if untried:
             return untried[0]
         interval, due, last_best = self.schedule.get(size, (self.explore, self.explore, best))
-        if count >= due:  # explore; less often while the fastest stays the same (at most every 4 x explore)
+        if count >= due and self.regret <= self.budget * self.elapsed:
+            # explore; less often while the fastest stays the same (at most every 4 x explore)
             interval = min(2 * interval, 4 * self.explore) if best == last_best else self.explore
             self.schedule[size] = (interval, count + interval, best)
             self.explored[size] = self.explored.get(size, 0) + 1
@@ -86,8 +94,8 @@ class BatchSizes:
         return max(arm for arm in range(len(self.arms)) if arm == 0 or size * self.nodes[arm] <= rows)
 
     def rate(self, size, arm):
-        """An arm's tokens per row and second at `size`: its tau over its seconds a round there."""
-        return self.tau[arm] / self.seconds[size, arm]
+        """An arm's tokens per row and second at `size`: its tau over the median of its last measured rounds there."""
+        return self.tau[arm] / statistics.median(self.seconds[size, arm])
 
     def _fastest(self, size):
         """The fastest arm measured at `size`; None if none is."""
@@ -100,19 +108,22 @@ class BatchSizes:
         The tokens feed the arm's tau, averaged over all its rounds (a round's count swings with its rows' texts far
         more than its time does). The seconds of a round that switched arm or batch size, or came after rows joined
         or left (rows_changed), are not kept: it pays one-off costs (node buffers resized, the draft catching up
-        with plain steps' tokens, states copied) that the arm does not pay round after round; that arm runs one
-        more round instead (choose). The seconds of a run of rounds start afresh and are averaged over the run, so
-        arms are compared by recent rounds, not by ones from when the machine was busier or contexts shorter."""
+        with plain steps' tokens, states copied) that the arm does not pay round after round; that arm runs
+        samples - 1 more rounds instead (choose). An arm's seconds are the median of its last `samples` measured
+        rounds: recent ones (not from when the machine was busier or contexts shorter), and a single round slowed
+        by the machine cannot make the fastest arm look slower than the next (on 2 shared cores plain steps of 9 ms
+        took 11-15 ms now and then, and one such round set plain steps' seconds until the next exploration)."""
         per_row, old = tokens / rows, self.tau.get(arm)
+        key, best = (self.size(rows), arm), self._fastest(self.size(rows))
+        self.elapsed += seconds
+        if best is not None and arm != best:
+            self.regret += max(0.0, seconds - per_row / self.rate(key[0], best))
         self.tau[arm] = per_row if old is None else (1 - self.tau_weight) * old + self.tau_weight * per_row
-        key = (self.size(rows), arm)
         if key != self.last:
-            self.last = self.again = key
-            self.fresh = True
+            self.last = key
+            self.again = (*key, self.samples - 1)
             return
-        kept = self.seconds.get(key)
-        self.seconds[key] = seconds if self.fresh else (1 - self.weight) * kept + self.weight * seconds
-        self.fresh = False
+        self.seconds[key] = (self.seconds.get(key, []) + [seconds])[-self.samples:]
 
     def rows_changed(self):
         """Rows joined or left the batch: the next round is not measured (see observe)."""
