@@ -32,7 +32,7 @@ class BatchSizes:
     def __init__(self, spec, explore=8, samples=3, tau_weight=0.1, budget=0.03):
         full = dataclasses.replace(spec, adaptive=False)
         self.arms = [None] + [StaticTree(chain) for chain in CHAINS] + [
-            dataclasses.replace(full, budget=budget) for budget in SMALLER if spec.top_k <= budget < spec.budget]
+            dataclasses.replace(full, budget=drafts) for drafts in SMALLER if spec.top_k <= drafts < spec.budget]
         self.arms.append(full)
         self.nodes = [1] + [tree_shapes(arm)[0] for arm in self.arms[1:]]  # a row's nodes in the target pass
         self.explore, self.samples, self.tau_weight, self.budget = explore, samples, tau_weight, budget
@@ -112,7 +112,9 @@ class BatchSizes:
         samples - 1 more rounds instead (choose). An arm's seconds are the median of its last `samples` measured
         rounds: recent ones (not from when the machine was busier or contexts shorter), and a single round slowed
         by the machine cannot make the fastest arm look slower than the next (on 2 shared cores plain steps of 9 ms
-        took 11-15 ms now and then, and one such round set plain steps' seconds until the next exploration)."""
+        took 11-15 ms now and then, and one such round set plain steps' seconds until the next exploration). A
+        round of another arm than the fastest adds what it took beyond the fastest arm's rate to the tries' cost,
+        which choose keeps within `budget` of all the seconds observed."""
         per_row, old = tokens / rows, self.tau.get(arm)
         key, best = (self.size(rows), arm), self._fastest(self.size(rows))
         self.elapsed += seconds
