@@ -37,7 +37,6 @@ class BatchSizes:
         self.nodes = [1] + [tree_shapes(arm)[0] for arm in self.arms[1:]]  # a row's nodes in the target pass
         self.explore, self.samples, self.tau_weight, self.budget = explore, samples, tau_weight, budget
         self.tau = {}      # arm -> tokens a row produced in a round, a moving average over all the arm's rounds
-        self.tau_rounds = {}  # arm -> rounds averaged into tau
         self.seconds = {}  # (size, arm) -> the seconds of its last `samples` measured rounds, oldest first
         self.rounds = {}  # size -> rounds decided at that size
         self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
@@ -107,7 +106,7 @@ class BatchSizes:
         """A round of `rows` rows with arm `arm` produced `tokens` tokens in `seconds`.
 
         The tokens feed the arm's tau, averaged over all its rounds (a round's count swings with its rows' texts far
-        more than its time does): their mean over its first 1 / tau_weight rounds, a moving average after. The seconds of a round that switched arm or batch size, or came after rows joined
+        more than its time does). The seconds of a round that switched arm or batch size, or came after rows joined
         or left (rows_changed), are not kept: it pays one-off costs (node buffers resized, the draft catching up
         with plain steps' tokens, states copied) that the arm does not pay round after round; that arm runs
         samples - 1 more rounds instead (choose). An arm's seconds are the median of its last `samples` measured
@@ -116,17 +115,12 @@ class BatchSizes:
         took 11-15 ms now and then, and one such round set plain steps' seconds until the next exploration). A
         round of another arm than the fastest adds what it took beyond the fastest arm's rate to the tries' cost,
         which choose keeps within `budget` of all the seconds observed."""
-        per_row = tokens / rows
+        per_row, old = tokens / rows, self.tau.get(arm)
         key, best = (self.size(rows), arm), self._fastest(self.size(rows))
         self.elapsed += seconds
         if best is not None and arm != best:
             self.regret += max(0.0, seconds - per_row / self.rate(key[0], best))
-        # the mean of the first rounds, then a moving average: seeded with its first round alone, an average would
-        # still give that round 0.9^4 = 66% of the weight five rounds later (a first chain-1 round at B = 4 that
-        # accepted nothing kept chain-1 looking no better than plain steps for tens of rounds)
-        count = self.tau_rounds[arm] = self.tau_rounds.get(arm, 0) + 1
-        weight = max(1 / count, self.tau_weight)
-        self.tau[arm] = (1 - weight) * self.tau.get(arm, 0.0) + weight * per_row
+        self.tau[arm] = per_row if old is None else (1 - self.tau_weight) * old + self.tau_weight * per_row
         if key != self.last:
             self.last = key
             self.again = (*key, self.samples - 1)
