@@ -32,12 +32,16 @@ def inflate_pair(target, draft, name, device=None, inflate_draft=True, draft_lay
     """(target, draft) of the pair `name`, built on `device` in the bundled models' dtype; with
     inflate_draft=False the draft stays the bundled 1.2M one (nearly free beside any of these targets);
     draft_layers: the inflated draft's layer count instead of the pair's."""
-    target_sizes, draft_sizes = PAIRS[name]
-    big_target = inflate_bamba(target, **target_sizes, device=device)
+    big_target = inflate_bamba(target, **PAIRS[name][0], device=device)
     if not inflate_draft:
         return big_target, draft.to(device)
-    layers = draft_sizes["num_layers"] if draft_layers is None else draft_layers
-    return big_target, inflate_mamba2(draft, **{**draft_sizes, "num_layers": layers}, device=device)
+    return big_target, inflate_mamba2(draft, **draft_sizes(name, draft_layers), device=device)
+
+
+def draft_sizes(name, draft_layers=None):
+    """inflate_mamba2's sizes for the pair's draft, with `draft_layers` layers if given."""
+    sizes = PAIRS[name][1]
+    return sizes if draft_layers is None else {**sizes, "num_layers": draft_layers}
 
 
 def head_sizes(name):
@@ -49,5 +53,4 @@ def head_sizes(name):
 def pair_tag(name, inflate_draft, draft_layers=None):
     """The pair's part of a result file name: large (0.9b) or large8b, then the inflated draft's layers (draft4l)."""
     tags = ["large" if name == "0.9b" else f"large{name}"]
-    layers = PAIRS[name][1]["num_layers"] if draft_layers is None else draft_layers
-    return tags + ([f"draft{layers}l"] if inflate_draft else [])
+    return tags + ([f"draft{draft_sizes(name, draft_layers)['num_layers']}l"] if inflate_draft else [])
