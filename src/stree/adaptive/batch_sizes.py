@@ -116,10 +116,11 @@ class BatchSizes:
         round of another arm than the fastest adds what it took beyond the fastest arm's rate to the tries' cost,
         which choose keeps within `budget` of all the seconds observed."""
         per_row, old = tokens / rows, self.tau.get(arm)
-        key, best = (self.size(rows), arm), self._fastest(self.size(rows))
+        size = self.size(rows)
+        key, best = (size, arm), self._fastest(size)
         self.elapsed += seconds
         if best is not None and arm != best:
-            self.regret += max(0.0, seconds - per_row / self.rate(key[0], best))
+            self.regret += max(0.0, seconds - per_row / self.rate(size, best))
         self.tau[arm] = per_row if old is None else (1 - self.tau_weight) * old + self.tau_weight * per_row
         if key != self.last:
             self.last = key
