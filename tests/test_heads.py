@@ -406,3 +406,159 @@ def test_head_trees_grown_on_the_device_equal_hfs_greedy(tree):
                                 return_stats=True)
     assert torch.equal(out, want)
     assert stats.tau > 1.3 and stats.transfers <= 3 * stats.rounds  # accepted drafts; no copy per level
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Batches: every row drafts from its own features
+
+def batch_drafts(monkeypatch, check):
+    """Make every Batch round call check(row index, the row's committed sequence (1, n) before the round, its
+    DraftedTree or None for a plain step)."""
+    from stree.batch import Batch
+    original = Batch._draft_trees
+
+    def drafting(self, spec):
+        committed = [row.out.sequence() for row in self.rows]
+        drafted = original(self, spec)
+        for b, (sequence, d) in enumerate(zip(committed, drafted)):
+            check(b, sequence, d)
+        return drafted
+    monkeypatch.setattr(Batch, "_draft_trees", drafting)
+
+
+def random_batch_arms(monkeypatch, seed):
+    """Make an adaptive batch choose its arm at random (seeded), plain steps included, whatever this machine's
+    timings."""
+    import random
+
+    from stree.adaptive.batch_sizes import BatchSizes
+    coin = random.Random(seed)
+    monkeypatch.setattr(BatchSizes, "choose", lambda self, rows: coin.randrange(len(self.arms)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_head_drafts_follow_the_sequential_head(temperature, monkeypatch):
+    """A batch of prompts of 1, 5 and 3 tokens (the first starts the head's row empty) drafted by one echo head: every
+    row's tree follows the naive reference run over that row alone. Sampled (a fixed tree, one generator per row):
+    each DraftedTree.probs equals the reference distribution. Greedy (an adaptive tree whose arms, plain steps
+    included, are chosen at random, so rows catch up over trunks of plain steps' tokens with the features those
+    steps returned): each node's children are the reference's most probable tokens at it, and dynamic trees'
+    draft_q the reference's probabilities. Rows accept different paths, so trunks differ in length within a
+    round; the greedy rows equal HF's greedy search."""
+    target, head = echo_pair("bamba", context=ECHO_CONTEXT)
+    prompts = [torch.tensor(p) for p in ([9], [4, 8, 15, 16, 23], [33, 2, 61])]
+    seen = {"nodes": 0, "trunks": set(), "plain": 0}
+
+    def check(b, committed, drafted):
+        if drafted is None:
+            seen["plain"] += 1
+            return
+        root = drafted.root
+        seen["trunks"].add(root + 1)
+        assert drafted.tokens[:root + 1] == committed[0, committed.shape[1] - root - 1:].tolist()
+        children = {}
+        for node in range(root + 1, len(drafted.tokens)):
+            children.setdefault(drafted.parents[node], []).append(drafted.tokens[node])
+        for node, q in drafted.probs.items():
+            want = reference_distribution(target, head, committed, path_below_root(drafted, node))
+            torch.testing.assert_close(q.double(), want, atol=1e-6, rtol=1e-6)
+            seen["nodes"] += 1
+        if temperature == 0:
+            for parent, tokens in children.items():
+                want = reference_distribution(target, head, committed, path_below_root(drafted, parent))
+                assert sorted(tokens) == sorted(want.topk(len(tokens)).indices.tolist())
+                seen["nodes"] += len(tokens)
+            for node in range(root + 1, len(drafted.tokens)):
+                if drafted.draft_q is not None and drafted.draft_q[node] is not None:
+                    want = reference_distribution(target, head, committed, path_below_root(drafted,
+                                                                                           drafted.parents[node]))
+                    assert drafted.draft_q[node] == pytest.approx(float(want[drafted.tokens[node]]), rel=1e-6)
+
+    batch_drafts(monkeypatch, check)
+    if temperature == 0:
+        random_batch_arms(monkeypatch, seed=4)
+        tree, generators = stree.DynamicTree(budget=6, depth=3, top_k=2, frontier=2, adaptive=True), None
+    else:
+        tree, generators = (2, 2, 1), [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    out, stats = stree.generate(target, prompts, draft_model=head, max_new_tokens=20, temperature=temperature,
+                                tree=tree, generator=generators, pad_token_id=0, return_stats=True)
+    assert seen["nodes"] >= 30 and max(seen["trunks"]) >= 3 and len(seen["trunks"]) >= 2
+    assert max(stats.tokens_per_pass) >= 3
+    if temperature == 0:
+        assert seen["plain"] >= 3
+        for b, p in enumerate(prompts):
+            assert out[b, 5:].tolist() == hf_greedy(target, p[None], 20)[0, p.numel():].tolist()
+
+
+@pytest.mark.parametrize("family, feature_layers", [("qwen3_next", None), ("mamba2", (1, 0)), ("falcon_h1", None)])
+def test_batched_greedy_with_a_head_is_hfs_greedy_per_row(family, feature_layers):
+    """Continuous batching with an echo head: prompts of 1, 11 and 5 tokens, the last joining after two rounds with
+    its own budget of 7 tokens (it leaves first, and the head's rows are compacted after it): each output equals
+    HF's greedy search of that prompt alone, on a static tree, a dynamic tree and a chain; drafts are accepted."""
+    from stree.batch import Batch
+    target, head = echo_pair(family, context=ECHO_CONTEXT, feature_layers=feature_layers)
+    prompts = [torch.tensor(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    per_pass = []
+    for tree in GREEDY_TREES:
+        batch = Batch(target, draft_model=head, max_new_tokens=24, tree=tree)
+        ids, outputs = batch.add(prompts[:2]), {}
+        for step in range(40):
+            if step == 2:
+                ids.append(batch.add(prompts[2], max_new_tokens=7))
+            if batch.active:
+                batch.step()
+            outputs.update(batch.finished())
+        assert sorted(outputs) == sorted(ids)
+        for i, p, n in zip(ids, prompts, [24, 24, 7]):
+            assert torch.equal(outputs[i], hf_greedy(target, p[None], n)[0]), (tree, i)
+        per_pass += batch.stats.tokens_per_pass
+    assert sum(per_pass) / len(per_pass) > 1.3 and max(per_pass) >= 3
+
+
+def test_batched_greedy_with_a_published_mtp_head_is_hfs_greedy(tmp_path):
+    """A Nemotron-H-like target with its published MTP head (attention then MoE), left-padded prompts through the
+    drop-in's padded batch: each row equals HF's greedy search of that prompt alone."""
+    from test_batch import left_padded
+    target, head = published_pair("nemotron_h", tmp_path)
+    prompts = [torch.tensor(p) for p in (PROMPTS[1], PROMPTS[0], PROMPTS[2])]
+    ids, mask = left_padded(prompts)
+    stree.enable(target)
+    try:
+        out = target.generate(ids, attention_mask=mask, draft_model=head, do_sample=False, max_new_tokens=16,
+                              tree=stree.DynamicTree(budget=8, depth=4))
+    finally:
+        stree.disable(target)
+    for b, p in enumerate(prompts):
+        assert out[b, ids.shape[1]:].tolist() == hf_greedy(target, p[None], 16)[0, p.numel():].tolist()
+
+
+def test_batched_sampling_with_a_head_follows_each_rows_distribution():
+    """Two prompts sampled together with an echo head (vocabulary of 5): each row's first 3 new tokens follow the
+    target's exact distribution for that prompt (chi-square against enumeration, 300 batched calls)."""
+    from test_batch import batched_sample_counts
+    target, head = echo_pair("bamba", vocab=5)
+    prompts = [torch.tensor([1, 3, 0]), torch.tensor([4, 2, 2, 1, 3])]
+    exact = [exact_model_distribution(target, p[None], 3, Sampler(1.0)) for p in prompts]
+    assert all(max(e.values()) < 0.5 for e in exact)
+    for counts, probs in zip(batched_sample_counts(target, head, prompts, 300, (2, 2, 1)), exact):
+        assert_matches(counts, probs)
+
+
+def test_a_heads_bad_batched_features_are_refused():
+    """HeadTreeModel's batched inputs: features per row of the wrong size, a list of the wrong length, and
+    add_rows without features raise ValueErrors that name the expected shapes."""
+    from stree.models.head_model import HeadTreeModel
+    target, head = echo_pair("bamba", context=ECHO_CONTEXT)
+    model = HeadTreeModel(head)
+    size = head.feature_size
+    with pytest.raises(ValueError, match="one feature tensor"):
+        model.add_rows([torch.tensor([1, 2])])
+    with pytest.raises(ValueError, match="one feature tensor"):
+        model.add_rows([torch.tensor([1, 2])], features=[torch.zeros(3, size, dtype=torch.float64)])
+    model.add_rows([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)],
+                   features=[torch.zeros(2, size, dtype=torch.float64), torch.zeros(0, size, dtype=torch.float64)])
+    assert model.cache.lengths.tolist() == [2, 0]
+    with pytest.raises(ValueError, match="list of 2 tensors"):
+        model.tree_forward([[1], [2]], [[-1], [-1]], features=[torch.zeros(1, size, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="list of 2 tensors"):
+        model.tree_forward([[1], [2]], [[-1], [-1]], features=[torch.zeros(2, size, dtype=torch.float64), None])

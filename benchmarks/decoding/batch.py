@@ -13,6 +13,8 @@ benchmarks/results/<machine kind>/.
     python -m benchmarks.decoding.batch --large --large-draft --dtype bfloat16      # ... with the 35M draft
     python -m benchmarks.decoding.batch --large 8b --large-draft --dtype bfloat16 --device cuda  # 8.9B / 364M pair
     python -m benchmarks.decoding.batch --prompts-per-row 4    # 4B prompts, B at once: rows join as others end
+    python -m benchmarks.decoding.batch --head                 # drafted by the bundled draft head instead
+    python -m benchmarks.decoding.batch --large --head --dtype bfloat16   # ... inflated with the 0.9B target
 
 A batch of fixed-length rows ends with its slowest row: speculation advances rows by different counts, so a tree's
 last rounds run few rows (the plain loop's rows all end together). With --prompts-per-row K a prompt joins as a row
@@ -26,9 +28,10 @@ import torch
 
 from benchmarks.anchors import hf_mamba_kernels
 from benchmarks.common import device_line, machine_info, model_shape, results_path, write_json, SHORT_DTYPES
-from benchmarks.decoding.pairs import PAIRS, inflate_pair, pair_tag
+from benchmarks.decoding.pairs import PAIRS, head_sizes, inflate_pair, pair_tag
 from stree.batch import Batch
-from stree.demo import demo_pair, held_out_prompts
+from stree.demo import demo_head, demo_pair, held_out_prompts
+from stree.heads.inflate import inflate_head
 from stree.shapes import parse_tree, tree_name
 
 
@@ -167,6 +170,9 @@ def parse_args(argv):
                         help="with --large, the draft inflated likewise (35M, 128M, 364M)")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="with --large-draft, the inflated draft's layer count instead of the pair's")
+    parser.add_argument("--head", action="store_true",
+                        help="draft with the bundled draft head (with --large: inflated with the target) instead of "
+                             "the draft model")
     parser.add_argument("--tree", default="adaptive", help="the tree (a name stree.shapes.parse_tree reads)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 64], metavar=("SHORTEST", "LONGEST"))
@@ -187,10 +193,12 @@ def main(argv=None):
     hf_kernels = hf_mamba_kernels(torch.device(args.device))
     dtype = getattr(torch, args.dtype)
     target, draft, tokenizer = demo_pair(dtype=dtype)
+    head = demo_head(target) if args.head else None
     if args.large:
         target, draft = inflate_pair(target, draft, args.large, args.device, inflate_draft=args.large_draft,
                                      draft_layers=args.draft_layers)
-    target, draft = target.to(args.device), draft.to(args.device)
+        head = head and inflate_head(head, target, **head_sizes(args.large))
+    target, draft = target.to(args.device), (head or draft).to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
     print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, "
@@ -198,12 +206,12 @@ def main(argv=None):
           f"{args.repeats} repeats")
     pair = pair_tag(args.large, args.large_draft, args.draft_layers) if args.large else ["demo"]
     continuous = [f"continuous{args.prompts_per_row}"] if args.prompts_per_row > 1 else []
-    name = "-".join(["batch", *pair, SHORT_DTYPES[args.dtype], *continuous])
+    name = "-".join(["batch", *pair, *(["head"] if args.head else []), SHORT_DTYPES[args.dtype], *continuous])
     out = args.out or results_path(machine, name + ".json")
     result = dict(machine, target=model_shape(target), draft=model_shape(draft), hf_kernels=hf_kernels,
                   target_params=sum(p.numel() for p in target.parameters()),
                   draft_params=sum(p.numel() for p in draft.parameters()),
-                  dtype=args.dtype, tree=args.tree,
+                  dtype=args.dtype, tree=args.tree, drafter="head" if args.head else "draft model",
                   new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, prompts_per_row=args.prompts_per_row,
                   repeats=args.repeats, rows=[],
                   complete=False)

@@ -23,11 +23,10 @@ import torch
 from .adaptive import kept_costs
 from .adaptive.batch_sizes import BatchSizes
 from .checks import check_prompts, vocab_size
-from .decoding import DEFAULT_TREE, Output, check_count, check_models, eos_ids
+from .decoding import DEFAULT_TREE, Output, check_count, check_models, eos_ids, tree_model
 from .drafting import Growth, drive
 from .drafting.host import GROW
 from .heads.head import DraftHead
-from .models import TreeModel
 from .sampling import Sampler, sample
 from .shapes import tree_shapes, tree_spec
 from .stats import GenerationStats
@@ -37,11 +36,14 @@ from .verify import verify_greedy, verify_sampling
 @dataclass(eq=False)
 class Row:
     """One prompt being decoded: its id, its Output (tokens and stop conditions), its random generator (None: the
-    global RNG) and its trunk (tokens the draft's cache still lacks, the last emitted one last)."""
+    global RNG), its trunk (tokens the draft's cache still lacks, the last emitted one last) and, drafting with a
+    head, the target's features of the trunk's tokens (1, len(trunk), feature_size): each token's is the target's
+    hidden state at the token before it."""
     id: int
     out: Output
     generator: object
     trunk: list
+    features: object = None
 
 
 class Batch:
@@ -49,15 +51,14 @@ class Batch:
     steps. An adaptive tree (the default) sizes each round for the batch: a plain step, a short chain or a tree up
     to the spec's own, whichever gave the most tokens per second at this batch size (adaptive.BatchSizes, kept for
     the model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). Passes
-    are eager; the draft is a draft model (not a draft head)."""
+    are eager. The draft is a draft model or a draft head (stree.heads.DraftHead), which drafts from the target's
+    hidden states: the target's passes then return them, and the head holds every row from its first token on."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):
         check_models(model, draft_model)
         check_count("max_new_tokens", max_new_tokens)
         check_count("min_new_tokens", min_new_tokens)
-        if isinstance(draft_model, DraftHead):
-            raise ValueError("batched decoding drafts with a draft model; draft heads decode one row at a time")
         self.spec = tree_spec(tree) if draft_model is not None else None
         self.eos = eos_ids(model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
         self.sampler = Sampler(temperature, top_k, top_p, min_new_tokens, self.eos)
@@ -67,9 +68,15 @@ class Batch:
         if getattr(self.spec, "adaptive", False):
             key = ("batch", id(draft_model), self.spec, str(model.dtype), self.sampler.greedy)
             self.sizes = kept_costs(model).setdefault(key, BatchSizes(self.spec))
-        self.target = TreeModel(model, nodes=target_nodes)  # node slots: a pass's buffers and a commit's work
-        self.draft = None if draft_model is None else TreeModel(draft_model, nodes=self.draft_nodes)
-        self.drafting = False  # whether the draft holds the rows' states (prefilled at the first speculative round)
+        self.head = isinstance(draft_model, DraftHead)
+        features = (draft_model.feature_layers or True) if self.head else False  # what the head reads
+        # node slots: a pass's buffers and a commit's work
+        self.target = tree_model(model, False, target_nodes, target_nodes, returns_hidden=features)
+        self.draft = None if draft_model is None else tree_model(draft_model, False, self.draft_nodes, None)
+        # whether the draft holds the rows' states: a draft model is prefilled at the first speculative round; a
+        # head, whose features would have to be kept until then, holds every row from the start
+        self.drafting = self.head
+        self._verified = None  # a head's: the target's features over the last pass's nodes (batch, width, size)
         self.vocab, self.device = vocab_size(model), model.device
         self.rows, self._done, self._next_id = [], {}, 0
         self.stats = GenerationStats()
@@ -98,9 +105,7 @@ class Batch:
         if limit == 0:  # nothing to decode
             self._done.update((row.id, row.out.sequence()[0]) for row in new)
             return new[0].id if single else [row.id for row in new]
-        logits = self.target.add_rows(prompts, max_length=max_length)
-        if self.drafting:
-            self.draft.add_rows(prompts, max_length=max_length)
+        logits = self._add_rows(new, prompts, max_length)
         scores = self.sampler.scores(logits, 0)
         for row, row_scores in zip(new, scores):
             root = int(row_scores.argmax()) if self.sampler.greedy else sample(row_scores.softmax(-1), row.generator)
@@ -111,6 +116,21 @@ class Batch:
             self.sizes.rows_changed()
         self._drop_finished()
         return new[0].id if single else [row.id for row in new]
+
+    def _add_rows(self, rows, prompts, max_length):
+        """Prefill the target (and the draft if it holds the rows) with `prompts`; returns their last logits. A
+        head's entry for token t + 1 is fed the target's feature at t: it holds each prompt but its first token, and
+        the row keeps the feature at its last token for the first trunk."""
+        if not self.head:
+            logits = self.target.add_rows(prompts, max_length=max_length)
+            if self.drafting:
+                self.draft.add_rows(prompts, max_length=max_length)
+            return logits
+        logits, features = self.target.add_rows(prompts, max_length=max_length)
+        self.draft.add_rows([p[1:] for p in prompts], max_length=max_length, features=[f[:-1] for f in features])
+        for row, f in zip(rows, features):
+            row.features = f[None, -1:]
+        return logits
 
     def finished(self):
         """{id: (P + n,) token ids: the prompt, then the new tokens} of the rows that ended since the last call."""
@@ -164,7 +184,10 @@ class Batch:
         for b, ((row_tokens, row_parents, depth), row) in enumerate(zip(trees, self.rows)):
             tokens[b, :len(row_tokens)], parents[b, :len(row_parents)] = row_tokens, row_parents
             generated[b, :len(depth)] = len(row.out.generated) + np.asarray(depth)
-        return self.sampler.scores(self.target.tree_forward(tokens, parents), generated.tolist())
+        logits = self.target.tree_forward(tokens, parents)
+        if self.head:
+            logits, self._verified = logits
+        return self.sampler.scores(logits, generated.tolist())
 
     def _start_draft(self):
         """Prefill the draft with every row's tokens but the last emitted (its trunk): until a round speculates the
@@ -182,24 +205,30 @@ class Batch:
         if self.draft is None or spec is None:
             return [None] * len(self.rows)
         programs = [GROW[type(spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
-                                            row.generator), spec) for row in self.rows]
+                                            row.generator, features=row.features), spec) for row in self.rows]
         drafted = drive(self.draft, programs)
         self.stats.draft_passes += max(d.passes for d in drafted)
         return drafted
 
     def _commit_draft(self, drafted, verdicts):
         """Commit each row's accepted path in the draft and set its trunk; after a plain step the draft is not
-        touched and each row's new token joins its trunk."""
+        touched and each row's new token joins its trunk. A head's next trunk comes with the target's features of
+        the accepted nodes (after a plain step: the root's joins the row's)."""
         if self.draft is None:
             return
         if drafted[0] is None:
-            for row, (_, bonus) in zip(self.rows, verdicts):
+            for b, (row, (_, bonus)) in enumerate(zip(self.rows, verdicts)):
                 row.trunk.append(bonus)
+                if self.head:
+                    row.features = torch.cat([row.features, self._verified[b:b + 1, :1]], 1)
             return
-        commits = [d.draft_commit(accepted, bonus) for d, (accepted, bonus) in zip(drafted, verdicts)]
+        commits = [d.head_commit(accepted, bonus) if self.head else d.draft_commit(accepted, bonus)
+                   for d, (accepted, bonus) in zip(drafted, verdicts)]
         self.draft.commit([node for node, _ in commits])
-        for row, (_, trunk) in zip(self.rows, commits):
+        for b, (row, (_, trunk), (accepted, _)) in enumerate(zip(self.rows, commits, verdicts)):
             row.trunk = trunk
+            if self.head:
+                row.features = self._verified[b:b + 1, accepted]
 
     def _verify(self, scores, trees, drafted):
         """[(accepted node ids, bonus token)] per row from the target's scores (batch, width, vocab)."""
@@ -226,7 +255,7 @@ class Batch:
         self.target.keep_rows(keep) if keep else self.target.clear()
         if self.drafting:
             self.draft.keep_rows(keep) if keep else self.draft.clear()
-            self.drafting = bool(keep)
+            self.drafting = bool(keep) or self.head
 
 
 def _per_row(generators, count):

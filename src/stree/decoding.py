@@ -295,10 +295,10 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
         input_ids: (1, P) or (P,) prompt token ids, P >= 1; or a batch: (B, P) with an attention_mask (B, P) of
             left padding (HF's decoder-only convention), or a list of 1-D prompts of any lengths. Every row of a
-            batch is decoded with its own tree and acceptance (stree.batch.Batch: eager passes, trees at a fixed
-            shape, rows that end leave the batch), as if alone; not with a streamer, compile, costs or a draft
-            head. `generator` may then be a list with one torch.Generator per row (a row's draws then do not depend
-            on its batch mates).
+            batch is decoded with its own tree and acceptance (stree.batch.Batch: eager passes, an adaptive tree
+            sized for the batch, rows that end leave the batch), as if alone, drafted by a draft model or a draft
+            head; not with a streamer, compile, costs or draft_on_device. `generator` may then be a list with one
+            torch.Generator per row (a row's draws then do not depend on its batch mates).
         draft_model: any supported causal LM with the target's vocabulary, or a stree.DraftHead made for this target
             (it drafts from the target's hidden states: docs/heads.md); None = stree's own autoregressive
             decoding of the target (one single-node pass per token on the same engine: the baseline that shows

@@ -48,7 +48,10 @@ def _feed(draft, asks):
     wanted = [None if ask is None else [ask.new.index(n) for n in ask.nodes] for ask in asks]
     asked = [w for w in wanted if w is not None]
     rows = asked[0] if all(w == asked[0] for w in asked) else sorted({p for w in asked for p in w})
-    features = asks[0].growth.features if first and len(asks) == 1 else None  # a head's first pass (batch 1 only)
+    features = None  # a head's first pass: each row's trunk features (the Growth's (1, n_b, feature_size))
+    if first and any(ask is not None and ask.growth.features is not None for ask in asks):
+        features = (asks[0].growth.features if len(asks) == 1 else
+                    [None if ask is None or ask.growth.features is None else ask.growth.features[0] for ask in asks])
     run = draft.tree_forward if first else draft.extend
     logits = run(tokens, parents, logits_for=rows, features=features)                    # (batch, K, vocab)
     if rows is asked[0]:

@@ -47,6 +47,25 @@ class HeadTreeModel(TreeModel):
         self._cache.length = 0
         return None
 
+    @torch.no_grad()
+    def add_rows(self, prompts, *, max_length=None, features=None):
+        """TreeModel.add_rows for a head: each prompt (P_i >= 0 token ids) comes with its features (P_i,
+        feature_size); an empty prompt (a one-token prompt leaves the head nothing to hold) starts its row from one
+        placeholder entry that the row's length then leaves out. Returns the new rows' last logits (meaningless
+        for empty prompts)."""
+        if features is None or len(features) != len(prompts) or any(
+                not isinstance(f, torch.Tensor) or f.shape != (p.numel(), self.feature_size)
+                for p, f in zip(prompts, features)):
+            raise ValueError(f"a head's add_rows needs one feature tensor (P_i, {self.feature_size}) per prompt, got "
+                             f"{_described(features)} for prompts of {[p.numel() for p in prompts]} tokens")
+        empty = [i for i, p in enumerate(prompts) if p.numel() == 0]
+        prompts = [p.new_zeros(1) if p.numel() == 0 else p for p in prompts]
+        features = [f.new_zeros(1, self.feature_size) if f.shape[0] == 0 else f for f in features]
+        logits = super().add_rows(prompts, max_length=max_length, features=features)
+        first = self._cache.batch - len(prompts)
+        self._cache.lengths[[first + i for i in empty]] = 0
+        return logits
+
     def _hidden(self, tokens, cache, kwargs, features=None, inputs=None):
         if inputs is not None:  # a tree pass: features from outside first, then the parents' outputs
             features = self._node_features(inputs, features)
@@ -67,25 +86,38 @@ class HeadTreeModel(TreeModel):
         if given is None:
             return features
         values, marked = given
-        return torch.where(marked[None, :, None], self.fusion.reduced(values.to(features.dtype)), features)
+        return torch.where(marked[..., None], self.fusion.reduced(values.to(features.dtype)), features)
 
     def _checked_features(self, features, shape):
-        """(features padded to the pass's width, (width,) bool marking the rows they are given for), fixed shapes
-        for a compiled pass, or None."""
+        """(features padded to the pass's width (batch, width, feature_size), (batch, width) bool marking the rows
+        they are given for), fixed shapes for a compiled pass, or None. `features`: a tensor (batch, n <= R,
+        feature_size), the same n for every row, or a list of one tensor (n_b <= R, feature_size) per row (None:
+        none for that row), as rows of a batch carry trunks of their own lengths."""
         if features is None:
             return None
         batch, R = shape
-        if (not isinstance(features, torch.Tensor) or features.dim() != 3 or features.shape[0] != batch
-                or features.shape[1] > R or features.shape[2] != self.feature_size):
-            raise ValueError(f"features must be a tensor (batch={batch}, n <= {R}, {self.feature_size}), got "
-                             f"{tuple(features.shape) if isinstance(features, torch.Tensor) else type(features)}")
+        uniform = isinstance(features, torch.Tensor) and features.dim() == 3 and features.shape[0] == batch
+        rows = list(features) if uniform or isinstance(features, (list, tuple)) else []
+        rows = [self.embed.weight.new_zeros(0, self.feature_size) if f is None else f for f in rows]
+        if len(rows) != batch or not all(isinstance(f, torch.Tensor) and f.dim() == 2 and f.shape[0] <= R
+                                         and f.shape[1] == self.feature_size for f in rows):
+            raise ValueError(f"features must be a tensor (batch={batch}, n <= {R}, {self.feature_size}) or a list of "
+                             f"{batch} tensors (n_b <= {R}, {self.feature_size}), got {_described(features)}")
         width, _ = self._shape(R, [])
-        n = features.shape[1]
-        values = torch.cat([features.to(self.device), features.new_zeros(batch, width - n, self.feature_size)], 1)
-        return values, torch.arange(width, device=self.device) < n
+        if uniform:  # one count for every row: no mask to copy
+            n = features.shape[1]
+            values = torch.cat([features.to(self.device), features.new_zeros(batch, width - n, self.feature_size)], 1)
+            return values, (torch.arange(width, device=self.device) < n).expand(batch, width)
+        values = self.embed.weight.new_zeros(batch, width, self.feature_size)
+        for b, f in enumerate(rows):
+            values[b, :f.shape[0]] = f
+        counts = torch.tensor([[f.shape[0]] for f in rows])
+        return values, (torch.arange(width) < counts).to(self.device)
 
     def _reserve(self, slots):
         outputs = self._outputs
+        if outputs is not None and outputs.shape[0] != self._cache.batch:  # rows joined or left: a new tree's scratch
+            outputs = None
         if outputs is None or outputs.shape[1] < slots:
             hidden = self.config.hidden_size
             new = self.embed.weight.new_zeros(self._cache.batch, slots, hidden)
@@ -94,3 +126,13 @@ class HeadTreeModel(TreeModel):
             self._outputs = new
         if self._static_buffers:
             torch._dynamo.mark_static_address(self._outputs)
+
+
+def _described(features):
+    """What `features` is, for an error message."""
+    if isinstance(features, torch.Tensor):
+        return tuple(features.shape)
+    if isinstance(features, (list, tuple)):
+        return [None if f is None else tuple(f.shape) if isinstance(f, torch.Tensor) else type(f).__name__
+                for f in features]
+    return type(features).__name__

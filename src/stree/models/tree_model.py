@@ -161,15 +161,16 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
 
     @torch.no_grad()
-    def add_rows(self, prompts, *, max_length=None):
+    def add_rows(self, prompts, *, max_length=None, features=None):
         """Append one row per prompt to the state (a new state if there is none): each prompt (a 1-D tensor of P_i
         >= 1 token ids, lengths may differ) is prefilled with HF's own forward, prompts of equal length together,
         none padded, so each row's state is exactly its prompt's. Rows keep their own lengths from then on (passes
         place each row's nodes after its own tokens; commits may accept paths of different lengths per row).
 
-        max_length: the most tokens any row will hold, trees included. Eager passes only (compiled passes are
-        specialised on the batch). Returns the new rows' last logits (len(prompts), vocab) in prompt order, and with
-        returns_hidden a list of their features ((P_i, hidden) each)."""
+        max_length: the most tokens any row will hold, trees included. features: only for draft heads
+        (HeadTreeModel.add_rows). Eager passes only (compiled passes are specialised on the batch). Returns the new
+        rows' last logits (len(prompts), vocab) in prompt order, and with returns_hidden a list of their features
+        ((P_i, hidden) each)."""
         if self._compiled:
             raise ValueError("rows of different lengths need eager passes (compiled passes are fixed to a batch)")
         if self.tree is not None:
@@ -178,13 +179,14 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         groups = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(prompt.shape[0], []).append(i)
-        caches, order, logits, features = [] if self._cache is None else [self.cache], [], [], []
+        caches, order, logits, hidden = [] if self._cache is None else [self.cache], [], [], []
         for P, rows in groups.items():
-            out, feats, cache, weights = self._prefilled(torch.stack([prompts[i] for i in rows]), None, max_length)
+            given = None if features is None else torch.stack([features[i] for i in rows])
+            out, feats, cache, weights = self._prefilled(torch.stack([prompts[i] for i in rows]), given, max_length)
             caches.append(cache)
             order += rows
             logits.append(out)
-            features += [] if feats is None else list(feats)
+            hidden += [] if feats is None else list(feats)
         capacity = max(c.capacity or 0 for c in caches)
         cache, where = StateCache.concat(caches, capacity), np.argsort(order)  # new rows in group order: put them
         if not np.array_equal(where, np.arange(len(prompts))):                # back in prompt order
@@ -192,7 +194,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             cache = cache.select(torch.as_tensor(np.concatenate([np.arange(old), old + where]), device=self.device))
         self._use(cache, weights)
         logits = torch.cat(logits)[torch.as_tensor(where)]
-        return (logits, [features[i] for i in where]) if self.returns_hidden else logits
+        return (logits, [hidden[i] for i in where]) if self.returns_hidden else logits
 
     def set_slots(self, nodes):
         """Eager passes: make trees start with `nodes` node slots, smaller or larger than now (the per-node buffers
