@@ -24,6 +24,7 @@ autoregressive loop and the tree, tau, host syncs per round) are rewritten after
   4 batch        benchmarks/decoding/batch.py: the same pair at B = 1 and 16   -> step4-batch-8b-pair.json
   5 compiled     generate.py as in 3 with torch.compile'd passes (CUDA graphs)
                                                                         -> step5-generate-8b-pair-compiled.json
+  6 compiled     batch.py as in 4 at B = 16 with compiled passes         -> step6-batch-8b-pair-compiled.json
 Steps 2 on run their scripts as modules from the repository root (python -m benchmarks...), as
 benchmarks/README.md says to. The compile check writes benchmarks/results/<machine kind>/gpu-compile.json.
 """
@@ -56,15 +57,19 @@ RUNS = {
     # eager: HF generate (mamba_ssm's kernels when carried), stree's loop, the default tree and a fixed one
     "generate:8b-pair": ("benchmarks.decoding.generate",
                          PAIR_8B + ["--repeats", "2", "--trees", "adaptive", "dynamic-16", "--overhead-sizes", "1", "16"],
-                         DRY_PAIR + ["--trees", "chain-4"], (90, 150)),
+                         DRY_PAIR + ["--trees", "chain-4"], (80, 150)),
     "batch:8b-pair": ("benchmarks.decoding.batch",
                       ["--large", "8b", "--large-draft", "--dtype", "bfloat16", "--batches", "1", "16", "--repeats", "1",
                        "--new-tokens", "24"],
-                      ["--batches", "2", "--new-tokens", "3", "--repeats", "1", "--prompt-lens", "4", "8"], (50, 90)),
-    # compiled last: its warm-up is the least predictable, and whatever it finishes is saved table by table
+                      ["--batches", "2", "--new-tokens", "3", "--repeats", "1", "--prompt-lens", "4", "8"], (45, 90)),
+    # compiled last: their warm-up is the least predictable, and whatever they finish is saved table by table
     "generate:8b-pair-compiled": ("benchmarks.decoding.generate",
                                   PAIR_8B + ["--repeats", "1", "--trees", "adaptive", "--compile", "--no-overhead"],
-                                  None, (210, 0)),
+                                  None, (190, 0)),
+    # batches with compiled passes (CUDA graphs; the batch size a dynamic dimension): B = 16 alone
+    "batch:8b-pair-compiled": ("benchmarks.decoding.batch",
+                               ["--large", "8b", "--large-draft", "--dtype", "bfloat16", "--batches", "16",
+                                "--repeats", "1", "--new-tokens", "24", "--compile"], None, (50, 0)),
 }
 TOTAL_BUDGET = 480  # seconds on one H200, steps 1 and 2 included: a rerun fits in a 15-minute device lease
 # ---- Steps 1 and 2: budgets in seconds (on one H200, in --dry-run) and tree_kernels.py's arguments. ----------
@@ -389,7 +394,7 @@ def case_records(path):
     rows), tok_s: {hf, stree_ar, tree}, tau, syncs_per_round (CUDA; None for batches), tree_vs_stree_ar (median)}."""
     with open(path) as f:
         data = json.load(f)
-    common = dict(device=data.get("device_name"), compiled=bool(data.get("compile", False)))
+    common = dict(device=data.get("device_name"), compiled=bool(data.get("compile", data.get("compiled", False))))
     records = []
     for table in data.get("tables", []):  # generate.py
         rows = {r["method"]: r for r in table["rows"]}
@@ -403,8 +408,9 @@ def case_records(path):
                                            tree=row["tokens_per_s"]),
                                 tau=row["tau"], syncs_per_round=row.get("syncs_per_round"),
                                 tree_vs_stree_ar=row["speedup_vs_ar"][1]))
-    for row in data.get("rows", []):  # batch.py: greedy, eager
-        records.append(dict(case=f"batch of {row['batch']}: {data['tree']}", **common, dtype=data["dtype"],
+    for row in data.get("rows", []):  # batch.py: greedy
+        compiled = " compiled" if data.get("compiled") else ""
+        records.append(dict(case=f"batch of {row['batch']}{compiled}: {data['tree']}", **common, dtype=data["dtype"],
                             temperature=0.0, target_params=data.get("target_params"),
                             draft_params=data.get("draft_params"), tok_s=row["tok_s"], tau=row["tau"],
                             syncs_per_round=None, tree_vs_stree_ar=statistics.median(row["tree_vs_ar"])))

@@ -180,6 +180,67 @@ def test_a_prompt_added_midway_gets_its_output_alone():
         assert torch.equal(outputs[i], hf_greedy(target, p[None], n)[0])
 
 
+def continuous_batch(batch, prompts, budgets, join_at=2):
+    """Run `batch`: all prompts but the last at once, the last joining after `join_at` rounds with its own budget;
+    returns their outputs in prompt order."""
+    ids, outputs = batch.add(prompts[:-1]), {}
+    for step in range(80):
+        if step == join_at:
+            ids.append(batch.add(prompts[-1], max_new_tokens=budgets[-1]))
+        if batch.active:
+            batch.step()
+        outputs.update(batch.finished())
+    assert batch.active == 0 and sorted(outputs) == sorted(ids)
+    return [outputs[i] for i in ids]
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
+    """compile= (dynamo's graphs, run by its eager backend: what inductor would compile, without its minutes of C++):
+    continuous batching with rows of four lengths, one joining mid-way with its own budget, rows leaving as they
+    end (the batch shrinks and grows), on a dynamic tree: each output equals HF's greedy search of that prompt
+    alone. Once a one-row Batch and a four-row one have run (dynamo specialises the state's batch dimension: each
+    batch size met compiles the pass variants once), a Batch with other prompts compiles nothing new. (Kinds that walk a tree level by level,
+    Mamba1 and the delta rule, unroll the levels in their graphs: one per pattern of level widths met, so they
+    compile again now and then; their compiled passes are tested at batch 1.) While a compiled Batch holds the
+    models, a second one in the same thread is refused."""
+    import torch._dynamo
+    target = without_eos(tiny_model(family, dtype=torch.float32, seed=4))
+    draft = noisy_copy(target, scale=0.01, seed=5)
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    options = dict(draft_model=draft, max_new_tokens=20, tree=stree.DynamicTree(budget=8, depth=4),
+                   compile={"backend": "eager"})
+    alone = random_prompts([4], seed=12)[0]
+    assert torch.equal(stree.generate(target, [alone], **options)[0], hf_greedy(target, alone[None], 20)[0])
+    graphs = []
+    for seed in (13, 14):
+        prompts = random_prompts([3, 8, 5, 3], seed=seed)
+        batch = Batch(target, **options)
+        with pytest.raises(RuntimeError, match="still holds"):
+            Batch(target, **options)
+        outputs = continuous_batch(batch, prompts, [20, 20, 20, 6])
+        batch.close()
+        for output, p, n in zip(outputs, prompts, [20, 20, 20, 6]):
+            assert torch.equal(output, hf_greedy(target, p[None], n)[0]), (seed, p)
+        assert batch.stats.tau > 1.3
+        graphs.append(counts["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]
+
+
+def test_aot_compiled_batches_equal_hf_greedy_per_row():
+    """The same through AOTAutograd (aot_eager: the functionalized graphs inductor compiles, in-place state updates
+    included), a padded batch through stree.generate on a static tree."""
+    target = without_eos(tiny_model("mamba2", dtype=torch.float32, seed=6))
+    prompts = random_prompts([4, 9, 6], seed=15)
+    ids, mask = left_padded(prompts)
+    output = stree.generate(target, ids, attention_mask=mask, draft_model=noisy_copy(target, scale=0.01, seed=7),
+                            max_new_tokens=12, tree=(2, 1), pad_token_id=0, compile={"backend": "aot_eager"})
+    for b, p in enumerate(prompts):
+        assert_row_is(output, b, ids.shape[1], hf_greedy(target, p[None], 12)[0, p.numel():], pad=0)
+
+
 def test_the_drop_in_and_hf_pipeline_take_batches():
     """HF's text-generation pipeline with several prompts, batch_size=4 and draft_model= returns what the plain
     pipeline returns (the bundled pair; the pipeline left-pads its batches)."""
@@ -193,11 +254,17 @@ def test_the_drop_in_and_hf_pipeline_take_batches():
     assert pipe(texts, batch_size=4, max_new_tokens=20, do_sample=False, draft_model=draft) == plain
 
 
+def closed(batch):
+    batch.close()
+    return batch
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t, d: stree.generate(t, torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor(
         [[1, 1, 0], [1, 1, 1]]), draft_model=d, max_new_tokens=2), "left padding"),
     (lambda t, d: stree.generate(t, [torch.tensor([1, 2]), torch.tensor([3])], draft_model=d, max_new_tokens=2,
-                                 compile=True), "compile"),
+                                 draft_on_device=True), "draft_on_device"),
+    (lambda t, d: closed(Batch(t, draft_model=d, max_new_tokens=2)).add([torch.tensor([1])]), "closed"),
     (lambda t, d: stree.generate(t, [torch.tensor([1, 2]), torch.tensor([])], draft_model=d, max_new_tokens=2),
      "non-empty"),
     (lambda t, d: stree.generate(t, [torch.tensor([1]), torch.tensor([2])], draft_model=d, max_new_tokens=2,

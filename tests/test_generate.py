@@ -313,7 +313,7 @@ def test_bfloat16_tracks_hf_greedy():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "prompt_length >= 1"),
-    (dict(input_ids=torch.zeros(2, 3, dtype=torch.long), compile=True), ValueError, "eager passes"),
+    (dict(input_ids=torch.zeros(2, 3, dtype=torch.long), draft_on_device=True), ValueError, "drafts on the host"),
     (dict(input_ids=torch.zeros(1, 3)), ValueError, "integer tensor"),
     (dict(max_new_tokens=-1), ValueError, "non-negative"),
     (dict(max_new_tokens=2.5), ValueError, "non-negative"),

@@ -515,6 +515,23 @@ def test_batched_greedy_with_a_head_is_hfs_greedy_per_row(family, feature_layers
     assert sum(per_pass) / len(per_pass) > 1.3 and max(per_pass) >= 3
 
 
+def test_compiled_batches_with_a_head_are_hfs_greedy_per_row():
+    """A head's batches with compiled passes (dynamo's graphs, eager backend): the target's passes return features,
+    the head's first pass per round takes each row's own, rows join and leave: each output equals HF's greedy
+    search of that prompt alone."""
+    from stree.batch import Batch
+    from test_batch import continuous_batch
+    target, head = echo_pair("bamba", context=ECHO_CONTEXT)
+    prompts = [torch.tensor(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    batch = Batch(target, draft_model=head, max_new_tokens=24, tree=stree.DynamicTree(budget=6, depth=4),
+                  compile={"backend": "eager"})
+    outputs = continuous_batch(batch, prompts, [24, 24, 7])
+    batch.close()
+    for output, p, n in zip(outputs, prompts, [24, 24, 7]):
+        assert torch.equal(output, hf_greedy(target, p[None], n)[0])
+    assert batch.stats.tau > 1.3
+
+
 def test_batched_greedy_with_a_published_mtp_head_is_hfs_greedy(tmp_path):
     """A Nemotron-H-like target with its published MTP head (attention then MoE), left-padded prompts through the
     drop-in's padded batch: each row equals HF's greedy search of that prompt alone."""

@@ -15,6 +15,7 @@ benchmarks/results/<machine kind>/.
     python -m benchmarks.decoding.batch --prompts-per-row 4    # 4B prompts, B at once: rows join as others end
     python -m benchmarks.decoding.batch --head                 # drafted by the bundled draft head instead
     python -m benchmarks.decoding.batch --large --head --dtype bfloat16   # ... inflated with the 0.9B target
+    python -m benchmarks.decoding.batch --compile --batches 4 16          # stree's loops with compiled passes
 
 A batch of fixed-length rows ends with its slowest row: speculation advances rows by different counts, so a tree's
 last rounds run few rows (the plain loop's rows all end together). With --prompts-per-row K a prompt joins as a row
@@ -47,10 +48,11 @@ def synchronize(model):
         torch.cuda.synchronize()
 
 
-def run_stree(model, draft, prompts, new_tokens, tree, active=None):
+def run_stree(model, draft, prompts, new_tokens, tree, active=None, compile=False):
     """(seconds, new tokens, per-row latencies, tau, mean nodes per row) of one Batch run to the end. active: rows
-    decoded at once (default all); more prompts than that join as rows finish (continuous batching)."""
-    options = {} if draft is None else {"tree": tree}
+    decoded at once (default all); more prompts than that join as rows finish (continuous batching). compile: the
+    Batch's (compiled passes)."""
+    options = {"compile": compile} if draft is None else {"tree": tree, "compile": compile}
     active = active or len(prompts)
     synchronize(model)
     start = time.perf_counter()
@@ -67,6 +69,7 @@ def run_stree(model, draft, prompts, new_tokens, tree, active=None):
         if joining:
             rows.update(zip(batch.add([prompts[k] for k in joining]), joining))
     synchronize(model)
+    batch.close()
     seconds = time.perf_counter() - start
     stats = batch.stats
     nodes = sum(stats.tree_sizes) / max(len(stats.tree_sizes), 1)
@@ -103,8 +106,8 @@ def measure_batch(model, draft, prompts, args):
     untimed call each."""
     tree, active = parse_tree(args.tree), len(prompts) // args.prompts_per_row
     methods = {"hf": lambda: run_hf(model, prompts, args.new_tokens, active),
-               "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None, active),
-               "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree, active)}
+               "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None, active, args.compile),
+               "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree, active, args.compile)}
     for fn in methods.values():
         fn()
     runs = {name: [] for name in methods}
@@ -179,6 +182,9 @@ def parse_args(argv):
     parser.add_argument("--prompts-per-row", type=int, default=1,
                         help="K > 1: K x B prompts, B decoded at once; stree's loops let the next prompt join as a "
                              "row ends (continuous batching), HF decodes K padded batches in turn")
+    parser.add_argument("--compile", action="store_true",
+                        help="stree's loops with compiled passes (inductor on a CPU, CUDA graphs on CUDA); HF's "
+                             "generate stays eager. The untimed first call per method and size pays the compilation")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/batch-...)")
@@ -200,18 +206,19 @@ def main(argv=None):
         head = head and inflate_head(head, target, **head_sizes(args.large))
     target, draft = target.to(args.device), (head or draft).to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
-    print(f"{args.dtype}, greedy, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
+    print(f"{args.dtype}, greedy, {'compiled' if args.compile else 'eager'} passes, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, "
           f"{f'{args.prompts_per_row} a row (continuous batching), ' if args.prompts_per_row > 1 else ''}"
           f"{args.repeats} repeats")
     pair = pair_tag(args.large, args.large_draft, args.draft_layers) if args.large else ["demo"]
     continuous = [f"continuous{args.prompts_per_row}"] if args.prompts_per_row > 1 else []
-    name = "-".join(["batch", *pair, *(["head"] if args.head else []), SHORT_DTYPES[args.dtype], *continuous])
+    name = "-".join(["batch", *pair, *(["head"] if args.head else []), SHORT_DTYPES[args.dtype], *continuous,
+                     *(["compiled"] if args.compile else [])])
     out = args.out or results_path(machine, name + ".json")
     result = dict(machine, target=model_shape(target), draft=model_shape(draft), hf_kernels=hf_kernels,
                   target_params=sum(p.numel() for p in target.parameters()),
                   draft_params=sum(p.numel() for p in draft.parameters()),
-                  dtype=args.dtype, tree=args.tree, drafter="head" if args.head else "draft model",
+                  dtype=args.dtype, tree=args.tree, compiled=args.compile, drafter="head" if args.head else "draft model",
                   new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, prompts_per_row=args.prompts_per_row,
                   repeats=args.repeats, rows=[],
                   complete=False)

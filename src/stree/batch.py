@@ -15,6 +15,7 @@ nothing afterwards; `finished()` hands their outputs over.
         outputs = batch.finished()               # {id: (P + n,) prompt and new tokens} of rows that ended
 """
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from .decoding import DEFAULT_TREE, Output, check_count, check_models, eos_ids, 
 from .drafting import Growth, drive
 from .drafting.host import GROW
 from .heads.head import DraftHead
+from .models.claim import Claim
 from .sampling import Sampler, sample
 from .shapes import tree_shapes, tree_spec
 from .stats import GenerationStats
@@ -50,12 +52,19 @@ class Batch:
     """Rows decoded together (see the module's docstring). Arguments as stree.generate's; rows may join between
     steps. An adaptive tree (the default) sizes each round for the batch: a plain step, a short chain or a tree up
     to the spec's own, whichever gave the most tokens per second at this batch size (adaptive.BatchSizes, kept for
-    the model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). Passes
-    are eager. The draft is a draft model or a draft head (stree.heads.DraftHead), which drafts from the target's
-    hidden states: the target's passes then return them, and the head holds every row from its first token on."""
+    the model across calls; sampled rows with their own generators keep the spec's shape, as at batch 1). The
+    draft is a draft model or a draft head (stree.heads.DraftHead), which drafts from the target's hidden states:
+    the target's passes then return them, and the head holds every row from its first token on.
+
+    compile: False (eager passes), True or torch.compile's options (as stree.generate's): every pass compiled, the
+    node slots fixed at the spec's, the node count dynamic; each batch size a pass meets compiles that pass variant
+    once (dynamo specialises the state buffers' batch dimension), paid by the first calls that meet it and reused
+    by every later Batch on these models. Compiled TreeModels are kept per model and shared, so a compiled Batch
+    holds them until close() (or until it is garbage-collected): a second one in the same thread raises meanwhile,
+    another thread's waits."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                 eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None):
+                 eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None, compile=False):
         check_models(model, draft_model)
         check_count("max_new_tokens", max_new_tokens)
         check_count("min_new_tokens", min_new_tokens)
@@ -65,21 +74,34 @@ class Batch:
         self.max_new_tokens, self.stopping_criteria = max_new_tokens, stopping_criteria
         target_nodes, self.draft_nodes, _ = tree_shapes(self.spec, paced=False) if self.spec else (1, 1, 1)
         self.sizes = None  # adaptive.BatchSizes of an adaptive tree
+        self.compiled = bool(compile)
         if getattr(self.spec, "adaptive", False):
-            key = ("batch", id(draft_model), self.spec, str(model.dtype), self.sampler.greedy)
+            key = ("batch", id(draft_model), self.spec, str(model.dtype), self.sampler.greedy, self.compiled)
             self.sizes = kept_costs(model).setdefault(key, BatchSizes(self.spec))
         self.head = isinstance(draft_model, DraftHead)
         features = (draft_model.feature_layers or True) if self.head else False  # what the head reads
-        # node slots: a pass's buffers and a commit's work
-        self.target = tree_model(model, False, target_nodes, target_nodes, returns_hidden=features)
-        self.draft = None if draft_model is None else tree_model(draft_model, False, self.draft_nodes, None)
+        # node slots: a pass's buffers and a commit's work (eager: sized per round; compiled: fixed, one graph
+        # less per size). Compiled targets run plain steps' one-node passes unpadded, in a graph of their own.
+        self.target = tree_model(model, compile, target_nodes, None, pad_single=False, returns_hidden=features)
+        self.draft = None if draft_model is None else tree_model(draft_model, compile, self.draft_nodes, None)
+        self._claim = Claim([self.target, self.draft])  # compiled TreeModels are shared by every call on a model
+        weakref.finalize(self, self._claim.release)
+        for engine in (self.target, self.draft):  # a shared one may hold an earlier call's rows
+            if engine is not None:
+                engine.clear()
         # whether the draft holds the rows' states: a draft model is prefilled at the first speculative round; a
         # head, whose features would have to be kept until then, holds every row from the start
         self.drafting = self.head
         self._verified = None  # a head's: the target's features over the last pass's nodes (batch, width, size)
         self.vocab, self.device = vocab_size(model), model.device
-        self.rows, self._done, self._next_id = [], {}, 0
+        self.rows, self._done, self._next_id, self.closed = [], {}, 0, False
         self.stats = GenerationStats()
+
+    def close(self):
+        """Release the (compiled) TreeModels for other Batches and calls; the Batch takes no prompts after it (rows
+        still decoding are dropped)."""
+        self._claim.release()
+        self.rows, self.closed = [], True
 
     @property
     def active(self):
@@ -92,6 +114,8 @@ class Batch:
         torch.Generator per prompt (a row's draws then depend on its generator alone, not on its batch mates), a
         single one shared by the rows (in row order), or None (the global RNG). max_new_tokens: these rows' own
         bound (default the Batch's). Returns the new rows' ids (an int for a single tensor)."""
+        if self.closed:
+            raise RuntimeError("this Batch is closed: make a new one")
         single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1
         prompts = check_prompts([prompts] if single else prompts, "add()", self.vocab)
         generators = _per_row(generators, len(prompts))
@@ -145,9 +169,11 @@ class Batch:
         start, rows = time.perf_counter(), len(self.rows)
         arm, spec = self._round_tree()
         target_nodes, draft_nodes, _ = tree_shapes(spec, paced=False) if spec else (1, 1, 1)
-        self.target.set_slots(target_nodes)
+        if not self.compiled:
+            self.target.set_slots(target_nodes)
         if spec is not None:
-            self.draft.set_slots(draft_nodes)
+            if not self.compiled:
+                self.draft.set_slots(draft_nodes)
             if not self.drafting:
                 self._start_draft()
         drafted = self._draft_trees(spec)
@@ -304,9 +330,12 @@ def generate_batch(model, input_ids, *, draft_model, max_new_tokens, attention_m
     prompts, padded = batch_prompts(input_ids, attention_mask)
     batch = Batch(model, draft_model=draft_model, max_new_tokens=max_new_tokens, **options)
     start = time.perf_counter()
-    ids = batch.add(prompts, generators=generator)
-    while batch.active:
-        batch.step()
+    try:
+        ids = batch.add(prompts, generators=generator)
+        while batch.active:
+            batch.step()
+    finally:
+        batch.close()
     done = batch.finished()
     new = [done[i][prompt.numel():] for i, prompt in zip(ids, prompts)]
     width = max(n.numel() for n in new)

@@ -295,9 +295,9 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
         model: target, an HF causal LM of a supported family (stree.models.SUPPORTED_MODEL_TYPES).
         input_ids: (1, P) or (P,) prompt token ids, P >= 1; or a batch: (B, P) with an attention_mask (B, P) of
             left padding (HF's decoder-only convention), or a list of 1-D prompts of any lengths. Every row of a
-            batch is decoded with its own tree and acceptance (stree.batch.Batch: eager passes, an adaptive tree
-            sized for the batch, rows that end leave the batch), as if alone, drafted by a draft model or a draft
-            head; not with a streamer, compile, costs or draft_on_device. `generator` may then be a list with one
+            batch is decoded with its own tree and acceptance (stree.batch.Batch: an adaptive tree sized for the
+            batch, rows that end leave the batch), as if alone, drafted by a draft model or a draft head, eager or
+            compiled; not with a streamer, costs or draft_on_device. `generator` may then be a list with one
             torch.Generator per row (a row's draws then do not depend on its batch mates).
         draft_model: any supported causal LM with the target's vocabulary, or a stree.DraftHead made for this target
             (it drafts from the target's hidden states: docs/heads.md); None = stree's own autoregressive
@@ -345,15 +345,15 @@ def generate(model, input_ids, *, draft_model, max_new_tokens, temperature=0.0, 
     """
     if is_batch(input_ids, attention_mask):
         from .batch import generate_batch  # batch.py builds on this module
-        unsupported = dict(streamer=streamer, compile=compile, costs=costs, draft_on_device=draft_on_device)
+        unsupported = dict(streamer=streamer, costs=costs, draft_on_device=draft_on_device)
         if any(unsupported.values()):
-            raise ValueError(f"a batch of prompts runs eager passes and takes none of {sorted(unsupported)}; got "
+            raise ValueError(f"a batch of prompts drafts on the host and takes none of {sorted(unsupported)}; got "
                              f"{sorted(k for k, v in unsupported.items() if v)}")
         return generate_batch(model, input_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                               attention_mask=attention_mask, pad_token_id=pad_token_id, generator=generator,
                               return_stats=return_stats, temperature=temperature, top_k=top_k, top_p=top_p,
                               eos_token_id=eos_token_id, tree=tree, min_new_tokens=min_new_tokens,
-                              stopping_criteria=stopping_criteria)
+                              stopping_criteria=stopping_criteria, compile=compile)
     generation = Generation(model, input_ids, draft_model=draft_model, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, tree=tree,
                             min_new_tokens=min_new_tokens, generator=generator, streamer=streamer,

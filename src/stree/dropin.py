@@ -88,10 +88,10 @@ def enable(model, *, tree=DEFAULT_TREE, compile=False):
         max_new, min_new = _lengths(model, config, input_ids.shape[1], default_max_length)
         sampling = dict(temperature=config.temperature, top_k=config.top_k or None,
                         top_p=config.top_p if config.top_p < 1.0 else None) if config.do_sample else {}
-        batch = is_batch(input_ids, attention_mask)  # batches run eager passes (stree.batch)
+        batch = is_batch(input_ids, attention_mask)
         return generate(model, input_ids, draft_model=draft_model, max_new_tokens=max_new,
                         min_new_tokens=min_new, eos_token_id=config.eos_token_id, tree=tree, streamer=streamer,
-                        stopping_criteria=stopping_criteria, compile=False if batch else stree_compile,
+                        stopping_criteria=stopping_criteria, compile=stree_compile,
                         attention_mask=attention_mask if batch else None, pad_token_id=config.pad_token_id,
                         **sampling)
 

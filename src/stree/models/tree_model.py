@@ -168,11 +168,10 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         place each row's nodes after its own tokens; commits may accept paths of different lengths per row).
 
         max_length: the most tokens any row will hold, trees included. features: only for draft heads
-        (HeadTreeModel.add_rows). Eager passes only (compiled passes are specialised on the batch). Returns the new
-        rows' last logits (len(prompts), vocab) in prompt order, and with returns_hidden a list of their features
-        ((P_i, hidden) each)."""
-        if self._compiled:
-            raise ValueError("rows of different lengths need eager passes (compiled passes are fixed to a batch)")
+        (HeadTreeModel.add_rows). Compiled passes see the batch change size (the state's buffers are made anew):
+        each new batch size compiles them again. Returns the new rows' last logits
+        (len(prompts), vocab) in prompt order, and with returns_hidden a list of their features ((P_i, hidden)
+        each)."""
         if self.tree is not None:
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
         prompts = [p.long().to(self.device) for p in check_prompts(prompts, "add_rows")]
