@@ -66,7 +66,7 @@ RUNS = {
     "generate:8b-pair-compiled": ("benchmarks.decoding.generate",
                                   PAIR_8B + ["--repeats", "1", "--trees", "adaptive", "--compile", "--no-overhead"],
                                   None, (190, 0)),
-    # batches with compiled passes (CUDA graphs; the batch size a dynamic dimension): B = 16 alone
+    # batches with compiled passes (CUDA graphs; each batch size met compiles once): B = 16 alone
     "batch:8b-pair-compiled": ("benchmarks.decoding.batch",
                                ["--large", "8b", "--large-draft", "--dtype", "bfloat16", "--batches", "16",
                                 "--repeats", "1", "--new-tokens", "24", "--compile"], None, (50, 0)),

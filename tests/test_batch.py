@@ -231,12 +231,16 @@ def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
 
 def test_aot_compiled_batches_equal_hf_greedy_per_row():
     """The same through AOTAutograd (aot_eager: the functionalized graphs inductor compiles, in-place state updates
-    included), a padded batch through stree.generate on a static tree."""
+    included), a padded batch through the drop-in enabled with compile= on a static tree."""
     target = without_eos(tiny_model("mamba2", dtype=torch.float32, seed=6))
     prompts = random_prompts([4, 9, 6], seed=15)
     ids, mask = left_padded(prompts)
-    output = stree.generate(target, ids, attention_mask=mask, draft_model=noisy_copy(target, scale=0.01, seed=7),
-                            max_new_tokens=12, tree=(2, 1), pad_token_id=0, compile={"backend": "aot_eager"})
+    stree.enable(target, compile={"backend": "aot_eager"})
+    try:
+        output = target.generate(ids, attention_mask=mask, draft_model=noisy_copy(target, scale=0.01, seed=7),
+                                 do_sample=False, max_new_tokens=12, tree=(2, 1), pad_token_id=0)
+    finally:
+        stree.disable(target)
     for b, p in enumerate(prompts):
         assert_row_is(output, b, ids.shape[1], hf_greedy(target, p[None], 12)[0, p.numel():], pad=0)
 
