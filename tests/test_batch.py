@@ -200,10 +200,10 @@ def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
     continuous batching with rows of four lengths, one joining mid-way with its own budget, rows leaving as they
     end (the batch shrinks and grows), on a dynamic tree: each output equals HF's greedy search of that prompt
     alone. Once a one-row Batch and a four-row one have run (dynamo specialises the state's batch dimension: each
-    batch size met compiles the pass variants once), a Batch with other prompts compiles nothing new. (Kinds that walk a tree level by level,
-    Mamba1 and the delta rule, unroll the levels in their graphs: one per pattern of level widths met, so they
-    compile again now and then; their compiled passes are tested at batch 1.) While a compiled Batch holds the
-    models, a second one in the same thread is refused."""
+    batch size met compiles the pass variants once), a Batch with other prompts compiles nothing new. (Kinds
+    that walk a tree level by level, Mamba1 and the delta rule, unroll the levels in their graphs: one per pattern
+    of level widths met, so they compile again now and then; their compiled passes are tested at batch 1.) While a
+    compiled Batch holds the models, a second one in the same thread is refused."""
     import torch._dynamo
     target = without_eos(tiny_model(family, dtype=torch.float32, seed=4))
     draft = noisy_copy(target, scale=0.01, seed=5)

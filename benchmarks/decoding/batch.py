@@ -206,7 +206,8 @@ def main(argv=None):
         head = head and inflate_head(head, target, **head_sizes(args.large))
     target, draft = target.to(args.device), (head or draft).to(args.device)
     print(f"target: {model_shape(target)}\ndraft: {model_shape(draft)}")
-    print(f"{args.dtype}, greedy, {'compiled' if args.compile else 'eager'} passes, tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
+    print(f"{args.dtype}, greedy, {'compiled' if args.compile else 'eager'} passes, "
+          f"tree {tree_name(parse_tree(args.tree))}, {args.new_tokens} new tokens a row, "
           f"prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} held-out tokens, "
           f"{f'{args.prompts_per_row} a row (continuous batching), ' if args.prompts_per_row > 1 else ''}"
           f"{args.repeats} repeats")
@@ -218,7 +219,8 @@ def main(argv=None):
     result = dict(machine, target=model_shape(target), draft=model_shape(draft), hf_kernels=hf_kernels,
                   target_params=sum(p.numel() for p in target.parameters()),
                   draft_params=sum(p.numel() for p in draft.parameters()),
-                  dtype=args.dtype, tree=args.tree, compiled=args.compile, drafter="head" if args.head else "draft model",
+                  dtype=args.dtype, tree=args.tree, compiled=args.compile,
+                  drafter="head" if args.head else "draft model",
                   new_tokens=args.new_tokens, prompt_lens=args.prompt_lens, prompts_per_row=args.prompts_per_row,
                   repeats=args.repeats, rows=[],
                   complete=False)

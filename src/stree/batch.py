@@ -169,13 +169,12 @@ class Batch:
         start, rows = time.perf_counter(), len(self.rows)
         arm, spec = self._round_tree()
         target_nodes, draft_nodes, _ = tree_shapes(spec, paced=False) if spec else (1, 1, 1)
-        if not self.compiled:
+        if not self.compiled:  # compiled passes keep their slots
             self.target.set_slots(target_nodes)
-        if spec is not None:
-            if not self.compiled:
+            if spec is not None:
                 self.draft.set_slots(draft_nodes)
-            if not self.drafting:
-                self._start_draft()
+        if spec is not None and not self.drafting:
+            self._start_draft()
         drafted = self._draft_trees(spec)
         trees = [(d.target_tokens, d.target_parents, d.target_depth) if d is not None else
                  ([row.out.generated[-1]], [-1], [0]) for row, d in zip(self.rows, drafted)]
