@@ -199,8 +199,9 @@ def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
     """compile= (dynamo's graphs, run by its eager backend: what inductor would compile, without its minutes of C++):
     continuous batching with rows of four lengths, one joining mid-way with its own budget, rows leaving as they
     end (the batch shrinks and grows), on a dynamic tree: each output equals HF's greedy search of that prompt
-    alone. Once a one-row Batch and a four-row one have run (dynamo specialises the state's batch dimension: each
-    batch size met compiles the pass variants once), a Batch with other prompts compiles nothing new. (Kinds
+    alone. With pad_batch (CUDA's default: CUDA graphs record one graph per batch size) every target pass runs the
+    next power of two of the rows decoding, spare rows after them. After stree.warmup(batch_sizes=(4,)) (batches of
+    1, 2 and 4 random prompts) such Batches compile nothing new. (Kinds
     that walk a tree level by level, Mamba1 and the delta rule, unroll the levels in their graphs: one per pattern
     of level widths met, so they compile again now and then; their compiled passes are tested at batch 1.) While a
     compiled Batch holds the models, a second one in the same thread is refused."""
@@ -214,19 +215,30 @@ def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
                    compile={"backend": "eager"})
     alone = random_prompts([4], seed=12)[0]
     assert torch.equal(stree.generate(target, [alone], **options)[0], hf_greedy(target, alone[None], 20)[0])
-    graphs = []
+    assert len(stree.warmup(target, prompt_lengths=(5, 3), batch_sizes=(4,), **options)) == 3  # B = 1, 2, 4
+    graphs = counts["stats"]["unique_graphs"]
     for seed in (13, 14):
         prompts = random_prompts([3, 8, 5, 3], seed=seed)
         batch = Batch(target, **options)
         with pytest.raises(RuntimeError, match="still holds"):
             Batch(target, **options)
-        outputs = continuous_batch(batch, prompts, [20, 20, 20, 6])
-        batch.close()
+        assert not batch.pad_batch  # compiled on a CPU: batch sizes are dynamic, no row is padded
+        batch.pad_batch = True
+        sizes = []  # (rows decoding, rows the pass ran)
+        forward = batch.target.tree_forward
+        batch.target.tree_forward = lambda tokens, parents: sizes.append((batch.active, len(tokens))) or forward(
+            tokens, parents)
+        try:
+            outputs = continuous_batch(batch, prompts, [20, 20, 20, 6])
+        finally:
+            del batch.target.tree_forward
+            batch.close()
+        assert all(ran == 1 << (rows - 1).bit_length() for rows, ran in sizes), sizes
+        assert {rows for rows, _ in sizes} >= {3, 4}, sizes  # spare rows met
         for output, p, n in zip(outputs, prompts, [20, 20, 20, 6]):
             assert torch.equal(output, hf_greedy(target, p[None], n)[0]), (seed, p)
         assert batch.stats.tau > 1.3
-        graphs.append(counts["stats"]["unique_graphs"])
-    assert graphs[1] == graphs[0]
+        assert counts["stats"]["unique_graphs"] == graphs
 
 
 def test_aot_compiled_batches_equal_hf_greedy_per_row():

@@ -493,11 +493,14 @@ def test_compiled_passes_are_dynamic_in_their_node_count_from_the_first(commit_i
     assert graphs == (2 if commit_in_pass else 1) and counts["stats"]["unique_graphs"] == graphs
 
 
-def test_warmup_checks_its_prompt_lengths():
+def test_warmup_checks_its_prompt_lengths_and_batch_sizes():
     target = tiny_model("bamba", dtype=torch.float32, seed=2)
     for bad in ((), (0,), (3.0,), (True,)):
         with pytest.raises(ValueError, match="prompt_lengths"):
             stree.warmup(target, prompt_lengths=bad)
+        if bad:
+            with pytest.raises(ValueError, match="batch_sizes"):
+                stree.warmup(target, batch_sizes=bad)
 
 
 def test_inductor_compiled_passes_equal_hf():

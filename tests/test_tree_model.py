@@ -568,6 +568,39 @@ def test_ragged_rows_equal_each_row_decoded_alone(family, kept):
     assert tm.cache.lengths.tolist() == [len(p) + len(c) for p, c in zip(prompts, committed)]
 
 
+@pytest.mark.parametrize("family", ["bamba", "jamba", "mamba", "qwen3_next", "lfm2"])
+def test_spare_rows_change_no_row_and_stay_empty(family):
+    """pad_rows (a compiled Batch on CUDA keeps its batch at powers of two): spare rows after the rows decoding run
+    trees of their own in every pass; the rows' logits still equal HF's sequential decoding of each row alone, and
+    spare rows committed with -1 keep zero states and no token, also after rows leave and the batch is padded
+    again."""
+    model = tiny_model(family, dtype=torch.float64)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (4, 6, 3)]
+    tm = TreeModel(model)
+    tm.add_rows(prompts, max_length=40)
+    tm.pad_rows(1)
+    committed, tol = [[] for _ in prompts], 1e-4 if family in FP32_IN_HF else 1e-6
+    for round_ in range(3):
+        if round_ == 2:  # row 0 leaves: two rows, two spare ones
+            tm.keep_rows([1, 2])
+            tm.pad_rows(2)
+            prompts, committed = prompts[1:], committed[1:]
+        trees = [random_tree(5, seed=10 * round_ + b) for b in range(tm.cache.batch)]
+        logits = tm.tree_forward([t for t, _ in trees], [p for _, p in trees])
+        assert_rows_match_sequential(model, logits, prompts, committed, trees[:len(prompts)], tol)
+        live = trees[:len(prompts)]
+        nodes = [int(torch.randint(-1, 5, (), generator=g)) for _ in live]
+        tm.commit(nodes + [-1] * (len(trees) - len(live)))
+        for b, ((tokens, parents), node) in enumerate(zip(live, nodes)):
+            committed[b] += [tokens[k] for k in path_to(parents, node)] if node >= 0 else []
+        spare = slice(len(prompts), None)
+        assert tm.cache.lengths[spare].tolist() == [0] * (tm.cache.batch - len(prompts))
+        for group in tm.cache.groups:
+            assert not group.conv[spare].any() and (group.recurrent is None or not group.recurrent[spare].any())
+    assert tm.cache.lengths[:len(prompts)].tolist() == [len(p) + len(c) for p, c in zip(prompts, committed)]
+
+
 @pytest.mark.parametrize("family", ["bamba", "jamba", "mamba", "qwen3_next"])
 @pytest.mark.parametrize("kept", [[0, 1, 2, 3], [1, 2, 3], [0, 2], [3], [0, 1, 2]])
 def test_rows_left_in_place_equal_a_selected_copy(family, kept):

@@ -57,11 +57,14 @@ class Batch:
     the target's passes then return them, and the head holds every row from its first token on.
 
     compile: False (eager passes), True or torch.compile's options (as stree.generate's): every pass compiled, the
-    node slots fixed at the spec's, the node count dynamic; each batch size a pass meets compiles that pass variant
-    once (dynamo specialises the state buffers' batch dimension), paid by the first calls that meet it and reused
-    by every later Batch on these models. Compiled TreeModels are kept per model and shared, so a compiled Batch
-    holds them until close() (or until it is garbage-collected): a second one in the same thread raises meanwhile,
-    another thread's waits."""
+    node slots fixed at the spec's, the node count dynamic. The batch dimension is specialised at the first size a
+    pass meets and at 1, dynamic for the others (torch.compile's automatic dynamic shapes), but CUDA graphs record
+    one graph per batch size: there (`pad_batch`, default: compiled on CUDA) the models' batches are padded with
+    spare rows (empty, never kept) to the next power of two of the rows decoding, so that passes meet 1, 2, 4, ...
+    rows only. Compilation is paid by the first calls that meet a size and reused by every later Batch on these
+    models (stree.warmup(batch_sizes=...) pays it at start-up). Compiled TreeModels are kept per model and shared,
+    so a compiled Batch holds them until close() (or until it is garbage-collected): a second one in the same
+    thread raises meanwhile, another thread's waits."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None, compile=False):
@@ -84,6 +87,7 @@ class Batch:
         # less per size). Compiled targets run plain steps' one-node passes unpadded, in a graph of their own.
         self.target = tree_model(model, compile, target_nodes, None, pad_single=False, returns_hidden=features)
         self.draft = None if draft_model is None else tree_model(draft_model, compile, self.draft_nodes, None)
+        self.pad_batch = self.compiled and self.target.device.type == "cuda"  # to powers of two (see above)
         self._claim = Claim([self.target, self.draft])  # compiled TreeModels are shared by every call on a model
         weakref.finalize(self, self._claim.release)
         for engine in (self.target, self.draft):  # a shared one may hold an earlier call's rows
@@ -116,6 +120,7 @@ class Batch:
         bound (default the Batch's). Returns the new rows' ids (an int for a single tensor)."""
         if self.closed:
             raise RuntimeError("this Batch is closed: make a new one")
+        self._resize(range(len(self.rows)), pad=False)  # new rows go after the rows decoding
         single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1
         prompts = check_prompts([prompts] if single else prompts, "add()", self.vocab)
         generators = _per_row(generators, len(prompts))
@@ -128,6 +133,7 @@ class Batch:
         self._next_id += len(new)
         if limit == 0:  # nothing to decode
             self._done.update((row.id, row.out.sequence()[0]) for row in new)
+            self._resize(range(len(self.rows)))
             return new[0].id if single else [row.id for row in new]
         logits = self._add_rows(new, prompts, max_length)
         scores = self.sampler.scores(logits, 0)
@@ -138,7 +144,8 @@ class Batch:
         self.rows += new
         if self.sizes is not None:
             self.sizes.rows_changed()
-        self._drop_finished()
+        if not self._drop_finished():
+            self._resize(range(len(self.rows)))
         return new[0].id if single else [row.id for row in new]
 
     def _add_rows(self, rows, prompts, max_length):
@@ -184,7 +191,7 @@ class Batch:
             count = len(row.out.emit([tokens[n] for n in accepted[1:]] + [bonus]))
             self.stats.tokens_per_pass.append(count)
             self.stats.tree_sizes.append(len(tokens))
-        self.target.commit([accepted[-1] for accepted, _ in verdicts])
+        self.target.commit([accepted[-1] for accepted, _ in verdicts] + [-1] * self.spare)
         self._commit_draft(drafted, verdicts)
         if arm is not None:  # the arm's worth is the tokens it produced, also where a row's budget cut them short
             produced = sum(len(accepted) for accepted, _ in verdicts)
@@ -201,10 +208,11 @@ class Batch:
 
     def _target_scores(self, trees):
         """The target's processed scores (batch, width, vocab) over every row's tree (tokens, parents, depth below
-        the root), rows padded to the widest with nodes that no node descends from."""
+        the root), rows padded to the widest with nodes that no node descends from (spare rows: with such nodes
+        alone)."""
         width = max(len(tokens) for tokens, _, _ in trees)
-        tokens = np.zeros((len(trees), width), dtype=np.int64)
-        parents = np.full((len(trees), width), -1, dtype=np.int64)
+        tokens = np.zeros((len(trees) + self.spare, width), dtype=np.int64)
+        parents = np.full(tokens.shape, -1, dtype=np.int64)
         generated = np.zeros((len(trees), width), dtype=np.int64)
         for b, ((row_tokens, row_parents, depth), row) in enumerate(zip(trees, self.rows)):
             tokens[b, :len(row_tokens)], parents[b, :len(row_parents)] = row_tokens, row_parents
@@ -212,7 +220,7 @@ class Batch:
         logits = self.target.tree_forward(tokens, parents)
         if self.head:
             logits, self._verified = logits
-        return self.sampler.scores(logits, generated.tolist())
+        return self.sampler.scores(logits[:len(trees)], generated.tolist())
 
     def _start_draft(self):
         """Prefill the draft with every row's tokens but the last emitted (its trunk): until a round speculates the
@@ -224,6 +232,7 @@ class Batch:
         for row in self.rows:
             row.trunk = row.out.generated[-1:]
         self.drafting = True
+        self._resize(range(len(self.rows)))
 
     def _draft_trees(self, spec):
         """Every row's DraftedTree under `spec` (None per row for a plain step or without a draft model)."""
@@ -231,7 +240,7 @@ class Batch:
             return [None] * len(self.rows)
         programs = [GROW[type(spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
                                             row.generator, features=row.features), spec) for row in self.rows]
-        drafted = drive(self.draft, programs)
+        drafted = drive(self.draft, programs + [_nothing() for _ in range(self.spare)])[:len(self.rows)]
         self.stats.draft_passes += max(d.passes for d in drafted)
         return drafted
 
@@ -249,7 +258,7 @@ class Batch:
             return
         commits = [d.head_commit(accepted, bonus) if self.head else d.draft_commit(accepted, bonus)
                    for d, (accepted, bonus) in zip(drafted, verdicts)]
-        self.draft.commit([node for node, _ in commits])
+        self.draft.commit([node for node, _ in commits] + [-1] * self.spare)
         for b, (row, (_, trunk), (accepted, _)) in enumerate(zip(self.rows, commits, verdicts)):
             row.trunk = trunk
             if self.head:
@@ -268,19 +277,50 @@ class Batch:
                 for b, ((tokens, parents, _), d, row) in enumerate(zip(trees, drafted, self.rows))]
 
     def _drop_finished(self):
-        """Hand the rows that ended to finished() and take them out of both models' batches."""
+        """Hand the rows that ended to finished() and take them out of both models' batches. Returns whether any
+        did."""
         keep = [b for b, row in enumerate(self.rows) if not row.out.done]
         if len(keep) == len(self.rows):
-            return
+            return False
         self.stats.new_tokens += sum(len(row.out.generated) for row in self.rows if row.out.done)
         self._done.update((row.id, row.out.sequence()[0]) for row in self.rows if row.out.done)
         self.rows = [self.rows[b] for b in keep]
         if self.sizes is not None:
             self.sizes.rows_changed()
-        self.target.keep_rows(keep) if keep else self.target.clear()
-        if self.drafting:
-            self.draft.keep_rows(keep) if keep else self.draft.clear()
-            self.drafting = bool(keep) or self.head
+        self._resize(keep)
+        self.drafting = self.drafting and (bool(keep) or self.head)
+        return True
+
+    @property
+    def spare(self):
+        """How many spare rows follow the rows decoding in the models' batches (pad_batch: see _resize)."""
+        cache = self.target._cache
+        return 0 if cache is None else cache.batch - len(self.rows)
+
+    def _resize(self, keep, pad=True):
+        """Make rows `keep` (model row indices, increasing) the models' batch (the draft's while it holds the
+        rows); with pad_batch (and `pad`), followed by spare rows up to the next power of two: passes then meet few
+        batch sizes (CUDA graphs record one graph per size); spare rows run nodes that no commit keeps."""
+        keep = list(keep)
+        bucket = 1 << (len(keep) - 1).bit_length() if self.pad_batch and pad and keep else len(keep)
+        for engine in (self.target, self.draft if self.drafting else None):
+            if engine is None or engine._cache is None:
+                continue
+            if not keep:
+                engine.clear()
+                continue
+            batch = engine._cache.batch
+            if keep == list(range(len(keep))) and batch == bucket:  # the rows after `keep` are spare already
+                continue
+            if keep != list(range(batch)):
+                engine.keep_rows(keep)
+            engine.pad_rows(bucket - len(keep))
+
+
+def _nothing():
+    """The grow program of a spare row: it asks for no node (drafting.drive pads its row)."""
+    return
+    yield
 
 
 def _per_row(generators, count):

@@ -180,6 +180,15 @@ class StateCache:
         values = {i: t.index_select(0, rows) for i, t in self.values.items()}
         return StateCache(groups, keys, values, self.lengths[rows.cpu().numpy()])
 
+    def empty(self, rows):
+        """A StateCache of `rows` rows shaped as this one's, holding nothing: zero states, no committed token."""
+        groups = [StateGroup(g.layers, g.conv.new_zeros(rows, *g.conv.shape[1:]),
+                             None if g.recurrent is None else g.recurrent.new_zeros(rows, *g.recurrent.shape[1:]))
+                  for g in self.groups]
+        keys = {i: t.new_zeros(rows, *t.shape[1:]) for i, t in self.keys.items()}
+        values = {i: t.new_zeros(rows, *t.shape[1:]) for i, t in self.values.items()}
+        return StateCache(groups, keys, values, 0)
+
     def keep(self, rows):
         """Rows `rows` (row indices, in the order they become rows 0, 1, ...) of this cache, which is spent. Rows in
         increasing order on a CPU move to the front of its own buffers (a StateCache of views of them): fresh tensors

@@ -169,9 +169,9 @@ class TreeModel(TreePassRunner, DeviceGrowth):
 
         max_length: the most tokens any row will hold, trees included. features: only for draft heads
         (HeadTreeModel.add_rows). Compiled passes see the batch change size (the state's buffers are made anew):
-        each new batch size compiles them again. Returns the new rows' last logits
-        (len(prompts), vocab) in prompt order, and with returns_hidden a list of their features ((P_i, hidden)
-        each)."""
+        the first change compiles them again with a dynamic batch size (and a batch of 1 once more); CUDA graphs
+        record a graph per size met. Returns the new rows' last logits (len(prompts), vocab) in prompt order, and
+        with returns_hidden a list of their features ((P_i, hidden) each)."""
         if self.tree is not None:
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
         prompts = [p.long().to(self.device) for p in check_prompts(prompts, "add_rows")]
@@ -194,6 +194,17 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._use(cache, weights)
         logits = torch.cat(logits)[torch.as_tensor(where)]
         return (logits, [hidden[i] for i in where]) if self.returns_hidden else logits
+
+    @torch.no_grad()
+    def pad_rows(self, count):
+        """Append `count` spare rows that hold nothing (zero states, no token). A caller that keeps its batch at a
+        few sizes (stree.batch on CUDA graphs: one graph per batch size) runs passes over them and commits them
+        with -1, so they stay empty."""
+        if self.tree is not None:
+            raise RuntimeError("the current tree is not committed: call commit() or discard() first")
+        if count:
+            cache = self.cache
+            self._use(StateCache.concat([cache, cache.empty(count)], cache.capacity or 0), self._weights)
 
     def set_slots(self, nodes):
         """Eager passes: make trees start with `nodes` node slots, smaller or larger than now (the per-node buffers
