@@ -34,6 +34,7 @@ from stree.batch import Batch
 from stree.demo import demo_head, demo_pair, held_out_prompts
 from stree.heads.inflate import inflate_head
 from stree.shapes import parse_tree, tree_name
+from stree.warm_up import warmup
 
 
 def mixed_prompts(tokenizer, batch, shortest, longest, seed):
@@ -108,6 +109,11 @@ def measure_batch(model, draft, prompts, args):
     methods = {"hf": lambda: run_hf(model, prompts, args.new_tokens, active),
                "stree_ar": lambda: run_stree(model, None, prompts, args.new_tokens, None, active, args.compile),
                "tree": lambda: run_stree(model, draft, prompts, args.new_tokens, tree, active, args.compile)}
+    if args.compile:  # every batch size a compiled Batch pads its rows to, compiled before the untimed calls
+        lengths = tuple(p.numel() for p in prompts[:4])
+        for drafter, options in ((None, {}), (draft, {"tree": tree})):
+            warmup(model, drafter, prompt_lengths=lengths, max_new_tokens=args.new_tokens, batch_sizes=(active,),
+                   compile=True, **options)
     for fn in methods.values():
         fn()
     runs = {name: [] for name in methods}
