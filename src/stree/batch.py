@@ -29,6 +29,7 @@ from .drafting import Growth, drive
 from .drafting.host import GROW
 from .heads.head import DraftHead
 from .models.claim import Claim
+from .models.head_model import head_inputs
 from .sampling import Sampler, sample
 from .shapes import tree_shapes, tree_spec
 from .stats import GenerationStats
@@ -149,18 +150,18 @@ class Batch:
         return new[0].id if single else [row.id for row in new]
 
     def _add_rows(self, rows, prompts, max_length):
-        """Prefill the target (and the draft if it holds the rows) with `prompts`; returns their last logits. A
-        head's entry for token t + 1 is fed the target's feature at t: it holds each prompt but its first token, and
-        the row keeps the feature at its last token for the first trunk."""
+        """Prefill the target (and the draft if it holds the rows) with `prompts`; returns their last logits. A head
+        holds what head_inputs says; each row keeps the feature that starts its first trunk."""
         if not self.head:
             logits = self.target.add_rows(prompts, max_length=max_length)
             if self.drafting:
                 self.draft.add_rows(prompts, max_length=max_length)
             return logits
         logits, features = self.target.add_rows(prompts, max_length=max_length)
-        self.draft.add_rows([p[1:] for p in prompts], max_length=max_length, features=[f[:-1] for f in features])
-        for row, f in zip(rows, features):
-            row.features = f[None, -1:]
+        held, fed, first = zip(*(head_inputs(p, f) for p, f in zip(prompts, features)))
+        self.draft.add_rows(list(held), max_length=max_length, features=list(fed))
+        for row, f in zip(rows, first):
+            row.features = f[None]
         return logits
 
     def finished(self):

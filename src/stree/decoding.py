@@ -21,7 +21,7 @@ from .checks import check_token_ids, vocab_size  # noqa: F401 (vocab_size: impor
 from .drafting import DraftedTree, draft_tree, grows_on_device
 from .heads.head import DraftHead
 from .models import TreeModel
-from .models.head_model import HeadTreeModel
+from .models.head_model import HeadTreeModel, head_inputs
 from .models.claim import Claim
 from .models.compile import compiled_tree_model
 from .sampling import Sampler, sample
@@ -149,9 +149,9 @@ class Generation:
         with self.clock("prefill_time"):
             logits, hidden = self._split(self.target.prefill(input_ids, max_length=max_length))
             root = self._pick(logits[0])
-            if self.head:  # the head's entry for token t + 1 is fed the target's feature at t
-                self.draft.prefill(input_ids[:, 1:], max_length=max_length, features=hidden[:, :-1])
-                self.features = hidden[:, -1:]
+            if self.head:
+                held, fed, self.features = head_inputs(input_ids, hidden)
+                self.draft.prefill(held, max_length=max_length, features=fed)
             elif draft_model is not None:
                 self.draft.prefill(input_ids, max_length=max_length)
             if draft_model is not None and draft_on_device is None:

@@ -128,6 +128,13 @@ class HeadTreeModel(TreeModel):
             torch._dynamo.mark_static_address(self._outputs)
 
 
+def head_inputs(tokens, features):
+    """What a head holds of a prompt the target has run: its entry for token t + 1 is fed the target's feature at t,
+    so it holds tokens[1:] fed features[:-1], and the last feature starts the trunk. tokens (..., P), features
+    (..., P, F) -> (tokens (..., P - 1), their features (..., P - 1, F), the trunk's first feature (..., 1, F))."""
+    return tokens[..., 1:], features[..., :-1, :], features[..., -1:, :]
+
+
 def _described(features):
     """What `features` is, for an error message."""
     if isinstance(features, torch.Tensor):
