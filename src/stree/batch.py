@@ -121,7 +121,6 @@ class Batch:
         bound (default the Batch's). Returns the new rows' ids (an int for a single tensor)."""
         if self.closed:
             raise RuntimeError("this Batch is closed: make a new one")
-        self._resize(range(len(self.rows)), pad=False)  # new rows go after the rows decoding
         single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1
         prompts = check_prompts([prompts] if single else prompts, "add()", self.vocab)
         generators = _per_row(generators, len(prompts))
@@ -134,8 +133,8 @@ class Batch:
         self._next_id += len(new)
         if limit == 0:  # nothing to decode
             self._done.update((row.id, row.out.sequence()[0]) for row in new)
-            self._resize(range(len(self.rows)))
             return new[0].id if single else [row.id for row in new]
+        self._resize(range(len(self.rows)), pad=False)  # new rows go right after the rows decoding
         logits = self._add_rows(new, prompts, max_length)
         scores = self.sampler.scores(logits, 0)
         for row, row_scores in zip(new, scores):
