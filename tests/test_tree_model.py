@@ -568,26 +568,42 @@ def test_ragged_rows_equal_each_row_decoded_alone(family, kept):
     assert tm.cache.lengths.tolist() == [len(p) + len(c) for p, c in zip(prompts, committed)]
 
 
+def buffer_addresses(tm):
+    """(address, shape) of every state tensor and mixer node buffer of a TreeModel."""
+    adapters = {id(a): a for a, _ in tm._layers.values()}.values()
+    tensors = tm.cache.tensors() + [t for a in adapters for t in vars(a).values() if isinstance(t, torch.Tensor)]
+    return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
+
+
 @pytest.mark.parametrize("family", ["bamba", "jamba", "mamba", "qwen3_next", "lfm2"])
 def test_spare_rows_change_no_row_and_stay_empty(family):
     """pad_rows (a compiled Batch on CUDA keeps its batch at powers of two): spare rows after the rows decoding run
     trees of their own in every pass; the rows' logits still equal HF's sequential decoding of each row alone, and
     spare rows committed with -1 keep zero states and no token, also after rows leave and the batch is padded
-    again."""
+    again. A row leaving, another joining and the batch padded back to its size keep every state and node buffer
+    where it was (the commit riding in the pass, as with CUDA graphs, which replay over buffers at fixed
+    addresses)."""
     model = tiny_model(family, dtype=torch.float64)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 64, (n,), generator=g) for n in (4, 6, 3)]
     tm = TreeModel(model)
+    tm._static_buffers = True  # as on CUDA: rows move within the buffers, the commit runs in the next pass
     tm.add_rows(prompts, max_length=40)
     tm.pad_rows(1)
     committed, tol = [[] for _ in prompts], 1e-4 if family in FP32_IN_HF else 1e-6
     for round_ in range(3):
-        if round_ == 2:  # row 0 leaves: two rows, two spare ones
+        if round_ == 2:  # row 0 leaves (two rows, two spare ones), then a prompt joins (three rows, one spare)
+            buffers = buffer_addresses(tm)
             tm.keep_rows([1, 2])
             tm.pad_rows(2)
-            prompts, committed = prompts[1:], committed[1:]
+            tm.keep_rows([0, 1])
+            prompts, committed = prompts[1:] + [torch.randint(0, 64, (5,), generator=g)], committed[1:] + [[]]
+            tm.add_rows(prompts[-1:], max_length=40)
+            tm.pad_rows(1)
         trees = [random_tree(5, seed=10 * round_ + b) for b in range(tm.cache.batch)]
         logits = tm.tree_forward([t for t, _ in trees], [p for _, p in trees])
+        if round_ == 2:
+            assert buffer_addresses(tm) == buffers
         assert_rows_match_sequential(model, logits, prompts, committed, trees[:len(prompts)], tol)
         live = trees[:len(prompts)]
         nodes = [int(torch.randint(-1, 5, (), generator=g)) for _ in live]

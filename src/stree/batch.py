@@ -62,10 +62,11 @@ class Batch:
     pass meets and at 1, dynamic for the others (torch.compile's automatic dynamic shapes), but CUDA graphs record
     one graph per batch size: there (`pad_batch`, default: compiled on CUDA) the models' batches are padded with
     spare rows (empty, never kept) to the next power of two of the rows decoding, so that passes meet 1, 2, 4, ...
-    rows only. Compilation is paid by the first calls that meet a size and reused by every later Batch on these
-    models (stree.warmup(batch_sizes=...) pays it at start-up). Compiled TreeModels are kept per model and shared,
-    so a compiled Batch holds them until close() (or until it is garbage-collected): a second one in the same
-    thread raises meanwhile, another thread's waits."""
+    rows only, and rows leaving or joining within a size move within the buffers (TreeModel.keep_rows: the graphs
+    replay over the same addresses). Compilation is paid by the first calls that meet a size and reused by every
+    later Batch on these models (stree.warmup(batch_sizes=...) pays it at start-up). Compiled TreeModels are kept
+    per model and shared, so a compiled Batch holds them until close() (or until it is garbage-collected): a second
+    one in the same thread raises meanwhile, another thread's waits."""
 
     def __init__(self, model, *, draft_model, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                  eos_token_id=None, tree=DEFAULT_TREE, min_new_tokens=0, stopping_criteria=None, compile=False):

@@ -61,6 +61,12 @@ class StateCache:
             return t.shape[0]
         return 0
 
+    def same_buffers(self, other):
+        """Whether `other` holds this cache's layout in the same memory (every tensor's address and shape)."""
+        mine, theirs = self.tensors(), other.tensors()
+        return len(mine) == len(theirs) and [g.layers for g in self.groups] == [g.layers for g in other.groups] and all(
+            a.shape == b.shape and a.data_ptr() == b.data_ptr() for a, b in zip(mine, theirs))
+
     def tensors(self):
         """Every state tensor (batch first): the groups' conv and recurrent states, then the attention buffers."""
         return [*(t for g in self.groups for t in (g.conv, g.recurrent) if t is not None),
@@ -189,14 +195,16 @@ class StateCache:
         values = {i: t.new_zeros(rows, *t.shape[1:]) for i, t in self.values.items()}
         return StateCache(groups, keys, values, 0)
 
-    def keep(self, rows):
+    def keep(self, rows, in_place=None):
         """Rows `rows` (row indices, in the order they become rows 0, 1, ...) of this cache, which is spent. Rows in
-        increasing order on a CPU move to the front of its own buffers (a StateCache of views of them): fresh tensors
-        for a batch's states cost more in page faults than the copy (the 0.9B target's 15 rows: 250 ms against 31).
-        Any other order, or an accelerator's buffers, take select()."""
+        increasing order move to the front of its own buffers (a StateCache of views of them) on a CPU, where fresh
+        tensors for a batch's states cost more in page faults than the copy (the 0.9B target's 15 rows: 250 ms
+        against 31), and on any device with in_place=True (CUDA graphs replay over buffers that keep their
+        addresses; a row a copy). Any other order, or an accelerator's buffers by default, take select()."""
         rows = [int(r) for r in rows]
         tensors = self.tensors()
-        if not tensors or tensors[0].device.type != "cpu" or any(b <= a for a, b in zip(rows, rows[1:])):
+        movable = in_place if in_place is not None else bool(tensors) and tensors[0].device.type == "cpu"
+        if not tensors or not movable or any(b <= a for a, b in zip(rows, rows[1:])):
             return self.select(torch.tensor(rows, dtype=torch.long, device=tensors[0].device if tensors else None))
 
         def front(t):  # row j takes row rows[j] >= j: a row is read before any later row is written over it
@@ -212,12 +220,13 @@ class StateCache:
         return StateCache(groups, keys, values, self.lengths[rows])
 
     @classmethod
-    def concat(cls, caches, capacity):
+    def concat(cls, caches, capacity, in_place=None):
         """One StateCache holding the rows of `caches` in order (equal layouts; attention buffers of `capacity`
         positions, at least each one's committed lengths), each row keeping its own length. Where the first
-        cache's buffers have room for the others' rows (rows it kept in place, see keep) they go there."""
+        cache's buffers have room for the others' rows (rows it kept in place, see keep) they go there: on a CPU,
+        and on any device with in_place=True."""
         first, rows = caches[0], sum(c.batch for c in caches)
-        if _has_room(first, rows, capacity):
+        if _has_room(first, rows, capacity, in_place):
             return cls._concat_in_place(caches, rows)
         groups = [StateGroup(g.layers, torch.cat([c.groups[k].conv for c in caches]),
                              None if g.recurrent is None else torch.cat([c.groups[k].recurrent for c in caches]))
@@ -260,12 +269,12 @@ class StateCache:
         return total
 
 
-def _has_room(cache, rows, capacity):
-    """Whether every buffer of `cache` is the front of a CPU buffer of at least `rows` rows (and attention buffers of
-    at least `capacity` positions)."""
+def _has_room(cache, rows, capacity, in_place=None):
+    """Whether every buffer of `cache` is the front of a buffer of at least `rows` rows (and attention buffers of at
+    least `capacity` positions), on a CPU unless in_place."""
     tensors = cache.tensors()
     return bool(tensors) and all(
-        t.device.type == "cpu" and t._base is not None and t._base.shape[1:] == t.shape[1:]
+        (in_place or t.device.type == "cpu") and t._base is not None and t._base.shape[1:] == t.shape[1:]
         and t._base.data_ptr() == t.data_ptr() and t._base.shape[0] >= rows for t in tensors) and all(
         t.shape[2] >= capacity for t in (*cache.keys.values(), *cache.values.values()))
 

@@ -93,6 +93,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
+        self._bound = None     # (the StateCache, weights) _layers were made or last bound for
         self._marked = None    # the capacities at which _mark_static last marked the buffers
         self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
 
@@ -156,9 +157,23 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         return logits, features if self.returns_hidden else None, StateCache.from_hf(hf_cache, P, capacity), weights
 
     def _use(self, cache, weights):
-        """Make `cache` the state, with mixer adapters built for its shapes."""
-        self._cache, self._weights = cache, weights
-        self._layers, self._marked = _adapters(cache, self.mixers, self.kinds), None
+        """Make `cache` the state (its mixer adapters follow at the next pass: _bind)."""
+        self._cache, self._weights, self._marked = cache, weights, None
+
+    def _bind(self):
+        """Mixer adapters for the state: those of the state they were made for where it held the same buffers (rows
+        moved within them, however many steps it took: every node buffer keeps its address too, and CUDA graphs
+        replay over them), else new ones built for its shapes."""
+        cache, weights = self._cache, self._weights
+        if self._bound is not None and self._bound[0] is cache:
+            return
+        if self._layers and self._bound[1] == weights and self._bound[0].same_buffers(cache):
+            groups = {tuple(g.layers): g for g in cache.groups}
+            for adapter in {id(a): a for a, _ in self._layers.values()}.values():
+                adapter.group = groups[tuple(adapter.group.layers)]
+        else:
+            self._layers = _adapters(cache, self.mixers, self.kinds)
+        self._bound, self._marked = (cache, weights), None
 
     @torch.no_grad()
     def add_rows(self, prompts, *, max_length=None, features=None):
@@ -187,8 +202,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             logits.append(out)
             hidden += [] if feats is None else list(feats)
         capacity = max(c.capacity or 0 for c in caches)
-        cache, where = StateCache.concat(caches, capacity), np.argsort(order)  # new rows in group order: put them
-        if not np.array_equal(where, np.arange(len(prompts))):                # back in prompt order
+        cache, where = StateCache.concat(caches, capacity, self._in_place), np.argsort(order)
+        if not np.array_equal(where, np.arange(len(prompts))):  # new rows came in group order: back to prompt order
             old = cache.batch - len(prompts)
             cache = cache.select(torch.as_tensor(np.concatenate([np.arange(old), old + where]), device=self.device))
         self._use(cache, weights)
@@ -204,7 +219,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
         if count:
             cache = self.cache
-            self._use(StateCache.concat([cache, cache.empty(count)], cache.capacity or 0), self._weights)
+            padded = StateCache.concat([cache, cache.empty(count)], cache.capacity or 0, self._in_place)
+            self._use(padded, self._weights)
 
     def set_slots(self, nodes):
         """Eager passes: make trees start with `nodes` node slots, smaller or larger than now (the per-node buffers
@@ -217,8 +233,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         if nodes != self.nodes:
             self._apply_pending()  # it reads the buffers about to go
             self.nodes = nodes
-            if self._cache is not None:
-                self._use(self._cache, self._weights)
+            self._layers, self._bound = {}, None  # new ones, for these slots, at the next pass
 
     def clear(self):
         """Forget the state (and any tree): the next prefill() or add_rows() starts a new one."""
@@ -227,14 +242,21 @@ class TreeModel(TreePassRunner, DeviceGrowth):
     @torch.no_grad()
     def keep_rows(self, rows):
         """Keep only rows `rows` (a list of row indices, in the order they become rows 0, 1, ...) of the state. Rows
-        in increasing order move within the state's own buffers on a CPU (StateCache.keep: the memory stays with the
-        model, and rows that join later go there); any other order makes a new state."""
+        in increasing order move within the state's own buffers on a CPU, and on any device with CUDA graphs
+        (StateCache.keep: the memory stays with the model, and rows that join later go there); any other order
+        makes a new state."""
         if self.tree is not None:
             raise RuntimeError("the current tree is not committed: call commit() or discard() first")
         rows = [int(r) for r in rows]
         if not rows or any(not 0 <= r < self._cache.batch for r in rows):
             raise ValueError(f"rows must be a non-empty list of row indices below {self._cache.batch}, got {rows}")
-        self._use(self.cache.keep(rows), self._weights)
+        self._use(self.cache.keep(rows, self._in_place), self._weights)
+
+    @property
+    def _in_place(self):
+        """Whether rows that leave or join move within the state's buffers on any device (True: CUDA graphs replay
+        over static buffers, which must keep their addresses) or only on a CPU (None: StateCache.keep)."""
+        return True if self._static_buffers else None
 
     def _packed_linears(self, weights):
         """{linear of the copy: its packed forward}, packed once per model (packed.packed_linears) and kept for it."""
@@ -347,6 +369,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
             # into a new state and a copy back, three passes over the states (10.5 ms against 2.4 at the 0.9B
             # target's shapes). With CUDA graphs the commit rides in the pass's graph (one replay).
             self._apply_pending()
+        self._bind()
         for layers, _ in self._layers.values():
             layers.reserve(tree.capacity)
         self._reserve(tree.capacity)
