@@ -61,11 +61,11 @@ class StateCache:
             return t.shape[0]
         return 0
 
-    def same_buffers(self, other):
-        """Whether `other` holds this cache's layout in the same memory (every tensor's address and shape)."""
-        mine, theirs = self.tensors(), other.tensors()
-        return len(mine) == len(theirs) and [g.layers for g in self.groups] == [g.layers for g in other.groups] and all(
-            a.shape == b.shape and a.data_ptr() == b.data_ptr() for a, b in zip(mine, theirs))
+    def memory(self):
+        """Where and how this cache's state lies: its groups' layers, then every tensor's (address, shape, dtype).
+        Rows moved within the same buffers leave it unchanged."""
+        return ([tuple(g.layers) for g in self.groups],
+                [(t.data_ptr(), tuple(t.shape), t.dtype) for t in self.tensors()])
 
     def tensors(self):
         """Every state tensor (batch first): the groups' conv and recurrent states, then the attention buffers."""

@@ -93,7 +93,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
-        self._bound = None     # (the StateCache, weights) _layers were made or last bound for
+        self._bound = None     # (a weakref to the StateCache _layers were made or last bound for, its memory, weights)
         self._marked = None    # the capacities at which _mark_static last marked the buffers
         self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
 
@@ -164,16 +164,17 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         """Mixer adapters for the state: those of the state they were made for where it held the same buffers (rows
         moved within them, however many steps it took: every node buffer keeps its address too, and CUDA graphs
         replay over them), else new ones built for its shapes."""
-        cache, weights = self._cache, self._weights
-        if self._bound is not None and self._bound[0] is cache:
+        cache = self._cache
+        if self._bound is not None and self._bound[0]() is cache:
             return
-        if self._layers and self._bound[1] == weights and self._bound[0].same_buffers(cache):
+        memory = (cache.memory(), self._weights)
+        if self._layers and self._bound is not None and self._bound[1] == memory:
             groups = {tuple(g.layers): g for g in cache.groups}
             for adapter in {id(a): a for a, _ in self._layers.values()}.values():
                 adapter.group = groups[tuple(adapter.group.layers)]
         else:
             self._layers = _adapters(cache, self.mixers, self.kinds)
-        self._bound, self._marked = (cache, weights), None
+        self._bound, self._marked = (weakref.ref(cache), memory), None
 
     @torch.no_grad()
     def add_rows(self, prompts, *, max_length=None, features=None):
@@ -237,7 +238,8 @@ class TreeModel(TreePassRunner, DeviceGrowth):
 
     def clear(self):
         """Forget the state (and any tree): the next prefill() or add_rows() starts a new one."""
-        self._cache = self.tree = self._pending = None
+        self._cache = self.tree = self._pending = self._bound = None
+        self._layers = {}  # they hold the state's tensors
 
     @torch.no_grad()
     def keep_rows(self, rows):
