@@ -303,7 +303,7 @@ class Batch:
         rows); with pad_batch (and `pad`), followed by spare rows up to the next power of two: passes then meet few
         batch sizes (CUDA graphs record one graph per size); spare rows run nodes that no commit keeps."""
         keep = list(keep)
-        bucket = 1 << (len(keep) - 1).bit_length() if self.pad_batch and pad and keep else len(keep)
+        bucket = BatchSizes.size(len(keep)) if self.pad_batch and pad and keep else len(keep)
         for engine in (self.target, self.draft if self.drafting else None):
             if engine is None or engine._cache is None:
                 continue

@@ -5,8 +5,8 @@ that no request pays them.
 
 Compiled passes see their varying sizes (node and LM-head row counts, the pass's input tensor) as dynamic from
 their first compilation (models.compile.PASS_SIZES), so a call after the first recompiles nothing for a new prompt
-length, new tokens or a new tree of the same shape. A compiled Batch pads its rows to a power of two, and each
-such batch size compiles once: `batch_sizes` warms them.
+length, new tokens or a new tree of the same shape. A compiled Batch on CUDA pads its rows to a power of two, and
+CUDA graphs record once per such batch size: `batch_sizes` warms them.
 """
 import time
 

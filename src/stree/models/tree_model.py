@@ -93,7 +93,7 @@ class TreeModel(TreePassRunner, DeviceGrowth):
         self._unsettled = 0     # nodes extend_on_device added that the host tree does not know yet (settle())
         self._level_widths = []  # compiled: one per level a pass has had (with fixed shapes its widest)
         self._layers = {}      # layer_idx -> (its kind's adapter for its state group, slice j)
-        self._bound = None     # (a weakref to the StateCache _layers were made or last bound for, its memory, weights)
+        self._bound = None     # (weakref to the StateCache _layers were made or last bound for, (its memory, weights))
         self._marked = None    # the capacities at which _mark_static last marked the buffers
         self.run = self._run   # the device part of a pass, the pending commit's first (torch.compile may replace it)
 
