@@ -7,8 +7,9 @@ command that measures everything the first few minutes a GPU is lent.
     python benchmarks/gpu.py --out DIR --dry-run     # the same steps on CPU at tiny sizes, Triton interpreted
     (a GPU machine without internet: benchmarks/gpu_wheels.sh and docs/gpu.md say what to carry there)
 
-Each step runs as a subprocess under its own time budget (BUDGETS, RUNS; TOTAL_BUDGET bounds their sum) and writes
-its JSON into DIR as soon as it finishes, so a step that fails or overruns loses nothing written before it;
+Each step runs as a subprocess under its own time budget (BUDGETS, RUNS; TOTAL_BUDGET bounds their sum), plus what
+the steps before it left unspent of theirs (so the compiled steps last get the time the quick ones did not need, and
+the whole run still ends within TOTAL_BUDGET), and writes its JSON into DIR as soon as it finishes, so a step that fails or overruns loses nothing written before it;
 DIR/summary.md and DIR/summary.json (the steps, and one record per measured case: tokens/s of HF generate, stree's
 autoregressive loop and the tree, tau, host syncs per round) are rewritten after every step.
   1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device); the TreeModel's
@@ -420,8 +421,8 @@ def case_records(path):
 def write_summary(out, rows, dry):
     lines = [f"# GPU run{' (dry run: CPU, tiny sizes, Triton interpreted)' if dry else ''}", "",
              ", ".join(f"{k} {v}" for k, v in versions().items()), "",
-             "| step | status | seconds | budget | JSON | headline |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['budget']} | "
+             "| step | status | seconds | budget (allowed) | JSON | headline |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['budget']} ({r['allowed']:.0f}) | "
               f"{os.path.basename(r['json']) if r['json'] else '-'} | {r['headline']} |" for r in rows]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -445,14 +446,19 @@ def run_all(out, dry):
     rows, steps = [], plan(out, dry)
     if not dry and sum(budget for _, _, budget, _ in steps) > TOTAL_BUDGET:
         sys.exit(f"the steps' budgets add up to more than TOTAL_BUDGET ({TOTAL_BUDGET} s)")
+    unspent = 0.0  # what the steps before left of their budgets: the next step may use it (compiling needs most)
     for name, command, budget, path in steps:
-        print(f"== {name} (budget {budget} s)", flush=True)
+        allowed = budget + unspent
+        print(f"== {name} (budget {budget} s, {allowed:.0f} s with what the steps before left)", flush=True)
         start = time.perf_counter()
-        code = run_bounded(command, budget, os.path.join(out, f"{name.replace(':', '-')}.log"), env)
-        status = f"stopped at its {budget} s budget" if code is None else "ok" if code == 0 else f"failed (exit {code})"
+        code = run_bounded(command, allowed, os.path.join(out, f"{name.replace(':', '-')}.log"), env)
+        seconds = time.perf_counter() - start
+        unspent = max(allowed - seconds, 0.0)
+        status = (f"stopped after {allowed:.0f} s (budget {budget} s)" if code is None else
+                  "ok" if code == 0 else f"failed (exit {code})")
         found = path if os.path.exists(path) else None
-        rows.append(dict(step=name, status=status, seconds=time.perf_counter() - start, budget=budget, json=found,
-                         headline=headline(name.split(":")[0], found) if found else "no JSON"))
+        rows.append(dict(step=name, status=status, seconds=seconds, budget=budget, allowed=round(allowed, 1),
+                         json=found, headline=headline(name.split(":")[0], found) if found else "no JSON"))
         print(f"   {status}, {rows[-1]['seconds']:.0f} s: {rows[-1]['headline']}", flush=True)
         write_summary(out, rows, dry)
     print(f"wrote {os.path.join(out, 'summary.md')}")

@@ -59,17 +59,24 @@ def test_the_gpu_steps_fit_the_total_budget(tmp_path):
     assert [name for name, *_ in steps][-2:] == ["generate:8b-pair-compiled", "batch:8b-pair-compiled"]
 
 
-def test_a_failing_or_overrunning_step_loses_nothing(tmp_path, monkeypatch):
+def test_a_failing_or_overrunning_step_loses_nothing_and_later_steps_get_the_unspent_time(tmp_path, monkeypatch):
+    """A step may run past its own budget into what the steps before it left unspent, never past that: the run as a
+    whole ends within the sum of the budgets. The slow step needs 2 s on a 1 s budget (the first left it ~4 s);
+    the overrunning one sleeps 60 s and is stopped once the time left is spent."""
     gpu = load_gpu()
     write = "import json, sys; json.dump({'rows': []}, open(sys.argv[1], 'w'))"
-    paths = [str(tmp_path / f"{i}.json") for i in range(4)]
-    steps = [("first", [sys.executable, "-c", write, paths[0]], 60, paths[0]),
-             ("fails", [sys.executable, "-c", "raise SystemExit(3)"], 60, paths[1]),
-             ("overruns", [sys.executable, "-c", "import time; time.sleep(60)"], 1, paths[2]),
-             ("last", [sys.executable, "-c", write, paths[3]], 60, paths[3])]
+    paths = [str(tmp_path / f"{i}.json") for i in range(5)]
+    steps = [("first", [sys.executable, "-c", write, paths[0]], 4, paths[0]),
+             ("fails", [sys.executable, "-c", "raise SystemExit(3)"], 1, paths[1]),
+             ("slow", [sys.executable, "-c", "import time; time.sleep(2); " + write, paths[2]], 1, paths[2]),
+             ("overruns", [sys.executable, "-c", "import time; time.sleep(60)"], 1, paths[3]),
+             ("last", [sys.executable, "-c", write, paths[4]], 60, paths[4])]
     monkeypatch.setattr(gpu, "plan", lambda out, dry: steps)
     assert gpu.run_all(str(tmp_path), dry=True) == 1
     rows = json.loads((tmp_path / "summary.json").read_text())["steps"]
-    assert [r["status"] for r in rows] == ["ok", "failed (exit 3)", "stopped at its 1 s budget", "ok"]
-    assert [bool(r["json"]) for r in rows] == [True, False, False, True]
-    assert os.path.exists(paths[0]) and os.path.exists(paths[3])
+    assert [r["status"] for r in rows[:3]] + [rows[4]["status"]] == ["ok", "failed (exit 3)", "ok", "ok"]
+    assert rows[3]["status"].startswith("stopped after")
+    assert abs(rows[3]["allowed"] - (4 + 1 + 1 + 1 - sum(r["seconds"] for r in rows[:3]))) < 0.1
+    assert sum(r["seconds"] for r in rows[:4]) <= 4 + 1 + 1 + 1 + 0.5  # the budgets, and the kill's latency
+    assert [bool(r["json"]) for r in rows] == [True, False, True, False, True]
+    assert os.path.exists(paths[0]) and os.path.exists(paths[4])
