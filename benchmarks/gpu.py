@@ -9,7 +9,8 @@ command that measures everything the first few minutes a GPU is lent.
 
 Each step runs as a subprocess under its own time budget (BUDGETS, RUNS; TOTAL_BUDGET bounds their sum), plus what
 the steps before it left unspent of theirs (so the compiled steps last get the time the quick ones did not need, and
-the whole run still ends within TOTAL_BUDGET), and writes its JSON into DIR as soon as it finishes, so a step that fails or overruns loses nothing written before it;
+the whole run still ends within TOTAL_BUDGET), and writes its JSON into DIR as soon as it finishes, so a step that
+fails or overruns loses nothing written before it;
 DIR/summary.md and DIR/summary.json (the steps, and one record per measured case: tokens/s of HF generate, stree's
 autoregressive loop and the tree, tau, host syncs per round) are rewritten after every step.
   1 equivalence  pytest on every kernel's tests on CUDA (tests/conftest.py picks the device); the TreeModel's
