@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .adaptive.batch_sizes import BatchSizes
 from .checks import vocab_size
 from .decoding import generate
 
@@ -36,7 +37,7 @@ def warmup(model, draft_model=None, *, prompt_lengths=(32, 20), max_new_tokens=6
         raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
     options.setdefault("eos_token_id", [])  # the whole length, whatever the random prompt makes likely
     g = torch.Generator().manual_seed(seed)
-    rows = sorted({1 << k for n in batch_sizes for k in range((n - 1).bit_length() + 1)})
+    rows = sorted({1 << k for n in batch_sizes for k in range(BatchSizes.size(n).bit_length())})
     calls = [[prompt_lengths[i % len(prompt_lengths)] for i in range(n)] for n in rows] or [
         [length] for length in prompt_lengths]
     seconds = []

@@ -203,8 +203,7 @@ class StateCache:
         addresses; a row a copy). Any other order, or an accelerator's buffers by default, take select()."""
         rows = [int(r) for r in rows]
         tensors = self.tensors()
-        movable = in_place if in_place is not None else bool(tensors) and tensors[0].device.type == "cpu"
-        if not tensors or not movable or any(b <= a for a, b in zip(rows, rows[1:])):
+        if not tensors or not (in_place or tensors[0].device.type == "cpu") or any(b <= a for a, b in zip(rows, rows[1:])):
             return self.select(torch.tensor(rows, dtype=torch.long, device=tensors[0].device if tensors else None))
 
         def front(t):  # row j takes row rows[j] >= j: a row is read before any later row is written over it
