@@ -194,6 +194,23 @@ def continuous_batch(batch, prompts, budgets, join_at=2):
     return [outputs[i] for i in ids]
 
 
+def test_a_draft_prefilled_late_follows_each_rows_own_budget(monkeypatch):
+    """A row with a budget of its own, 8x the batch's, joins before any round speculates; the draft model (with
+    attention layers) is prefilled at the first tree round, its caches sized by each row's own budget: both
+    outputs equal HF's greedy search of each prompt alone, and drafts are accepted."""
+    from test_heads import scripted_arms
+    target = without_eos(tiny_model("bamba", dtype=torch.float64))
+    draft = noisy_copy(target, scale=0.01, seed=1)
+    prompts = random_prompts([4, 7], seed=5)
+    scripted_arms(monkeypatch, [0, 0, -1])
+    batch = Batch(target, draft_model=draft, max_new_tokens=4, tree=stree.DynamicTree(budget=6, depth=4,
+                                                                                      adaptive=True))
+    outputs = continuous_batch(batch, prompts, [4, 32], join_at=0)
+    for output, p, n in zip(outputs, prompts, [4, 32]):
+        assert torch.equal(output, hf_greedy(target, p[None], n)[0])
+    assert max(batch.stats.tokens_per_pass) >= 3
+
+
 @pytest.mark.parametrize("family", ["bamba", "lfm2"])
 def test_compiled_batches_equal_hf_greedy_per_row_and_compile_once(family):
     """compile= (dynamo's graphs, run by its eager backend: what inductor would compile, without its minutes of C++):

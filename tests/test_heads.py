@@ -515,6 +515,45 @@ def test_batched_greedy_with_a_head_is_hfs_greedy_per_row(family, feature_layers
     assert sum(per_pass) / len(per_pass) > 1.3 and max(per_pass) >= 3
 
 
+def scripted_arms(monkeypatch, arms):
+    """Make an adaptive batch's rounds take arms[k] in round k (-1: the spec's own tree), the last one after."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    rounds = iter(arms)
+    last = [arms[-1]]
+
+    def choose(self, rows):
+        last[0] = next(rounds, last[0])
+        return last[0] % len(self.arms)
+    monkeypatch.setattr(BatchSizes, "choose", choose)
+
+
+def test_a_batched_head_is_prefilled_at_the_first_speculative_round(monkeypatch):
+    """A head holds no row until a round speculates: a batch of plain steps alone never prefills it. After three
+    plain steps the head takes each row's prompt and those steps' tokens, fed the target's features (a 1-token
+    prompt's row starts empty); a row joining later is handed to it at once, with a budget of its own larger than
+    the batch's. Every output equals HF's greedy search of that prompt alone, and drafts are accepted."""
+    from stree.batch import Batch
+    from stree.models.head_model import HeadTreeModel
+    from test_batch import continuous_batch
+    target, head = echo_pair("bamba", context=ECHO_CONTEXT)
+    prompts = [torch.tensor(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    prefilled = []
+    add_rows = HeadTreeModel.add_rows
+    monkeypatch.setattr(HeadTreeModel, "add_rows",
+                        lambda self, held, **options: prefilled.append(len(held)) or add_rows(self, held, **options))
+    tree = stree.DynamicTree(budget=6, depth=4, adaptive=True)
+    scripted_arms(monkeypatch, [0])
+    out = stree.generate(target, prompts[:2], draft_model=head, max_new_tokens=10, tree=tree, pad_token_id=0)
+    assert prefilled == [] and out.shape[1] == 11 + 10
+    scripted_arms(monkeypatch, [0, 0, 0, -1])
+    batch = Batch(target, draft_model=head, max_new_tokens=12, tree=tree)
+    outputs = continuous_batch(batch, prompts, [12, 12, 30], join_at=5)
+    assert prefilled == [2, 1]  # two rows at the first tree round (round 4), the third as it joins
+    for output, p, n in zip(outputs, prompts, [12, 12, 30]):
+        assert torch.equal(output, hf_greedy(target, p[None], n)[0])
+    assert max(batch.stats.tokens_per_pass) >= 3
+
+
 def test_compiled_batches_with_a_head_are_hfs_greedy_per_row():
     """A head's batches with compiled passes (dynamo's graphs, eager backend): the target's passes return features,
     the head's first pass per round takes each row's own, rows join and leave: each output equals HF's greedy

@@ -39,14 +39,19 @@ from .verify import verify_greedy, verify_sampling
 @dataclass(eq=False)
 class Row:
     """One prompt being decoded: its id, its Output (tokens and stop conditions), its random generator (None: the
-    global RNG), its trunk (tokens the draft's cache still lacks, the last emitted one last) and, drafting with a
-    head, the target's features of the trunk's tokens (1, len(trunk), feature_size): each token's is the target's
-    hidden state at the token before it."""
+    global RNG), its trunk (tokens the draft's cache still lacks, the last emitted one last: until the draft holds
+    the row, its prompt's too, a head's from the second on) and, drafting with a head, the target's features of the
+    trunk's tokens, in pieces (1, k, feature_size) joined only when the head reads them (plain steps add one each):
+    each token's is the target's hidden state at the token before it."""
     id: int
     out: Output
     generator: object
     trunk: list
-    features: object = None
+    features: list = None
+
+    def trunk_features(self):
+        """The trunk's features (1, len(trunk), feature_size), or None without a head."""
+        return None if self.features is None else torch.cat(self.features, 1)
 
 
 class Batch:
@@ -95,9 +100,9 @@ class Batch:
         for engine in (self.target, self.draft):  # a shared one may hold an earlier call's rows
             if engine is not None:
                 engine.clear()
-        # whether the draft holds the rows' states: a draft model is prefilled at the first speculative round; a
-        # head, whose features would have to be kept until then, holds every row from the start
-        self.drafting = self.head
+        # whether the draft holds the rows' states: it is prefilled at the first speculative round (a head with
+        # the target's features of the rows' tokens, kept until then), so plain steps alone never pay for it
+        self.drafting = False
         self._verified = None  # a head's: the target's features over the last pass's nodes (batch, width, size)
         self.vocab, self.device = vocab_size(model), model.device
         self.rows, self._done, self._next_id, self.closed = [], {}, 0, False
@@ -141,7 +146,9 @@ class Batch:
         for row, row_scores in zip(new, scores):
             root = int(row_scores.argmax()) if self.sampler.greedy else sample(row_scores.softmax(-1), row.generator)
             row.out.emit([root])
-            row.trunk = [root]
+            row.trunk.append(root)
+        if self.drafting:
+            self._hand_to_draft(new)
         self.rows += new
         if self.sizes is not None:
             self.sizes.rows_changed()
@@ -150,18 +157,16 @@ class Batch:
         return new[0].id if single else [row.id for row in new]
 
     def _add_rows(self, rows, prompts, max_length):
-        """Prefill the target (and the draft if it holds the rows) with `prompts`; returns their last logits. A head
-        holds what head_inputs says; each row keeps the feature that starts its first trunk."""
+        """Prefill the target with `prompts`; returns their last logits. Each row's trunk starts with what the draft
+        is to hold of its prompt: its tokens (a head: what head_inputs says, with the target's features)."""
         if not self.head:
-            logits = self.target.add_rows(prompts, max_length=max_length)
-            if self.drafting:
-                self.draft.add_rows(prompts, max_length=max_length)
-            return logits
+            for row, prompt in zip(rows, prompts):
+                row.trunk = prompt.tolist() if self.draft is not None else []
+            return self.target.add_rows(prompts, max_length=max_length)
         logits, features = self.target.add_rows(prompts, max_length=max_length)
-        held, fed, first = zip(*(head_inputs(p, f) for p, f in zip(prompts, features)))
-        self.draft.add_rows(list(held), max_length=max_length, features=list(fed))
-        for row, f in zip(rows, first):
-            row.features = f[None]
+        for row, prompt, f in zip(rows, prompts, features):
+            held, fed, first = head_inputs(prompt, f)  # the trunk: held, then the root (which first goes with)
+            row.trunk, row.features = held.tolist(), [fed[None], first[None]]
         return logits
 
     def finished(self):
@@ -224,23 +229,31 @@ class Batch:
         return self.sampler.scores(logits[:len(trees)], generated.tolist())
 
     def _start_draft(self):
-        """Prefill the draft with every row's tokens but the last emitted (its trunk): until a round speculates the
-        draft holds nothing, so a batch whose rounds are all plain steps never pays the draft's prefill."""
-        sequences = [torch.cat([row.out.input_ids[0], row.out.input_ids.new_tensor(row.out.generated[:-1])])
-                     for row in self.rows]
-        max_length = max(s.numel() for s in sequences) + self.max_new_tokens + self.draft_nodes
-        self.draft.add_rows(sequences, max_length=max_length)
-        for row in self.rows:
-            row.trunk = row.out.generated[-1:]
+        """Prefill the draft with every row: until a round speculates the draft holds nothing, so a batch whose
+        rounds are all plain steps never pays the draft's prefill."""
+        self._hand_to_draft(self.rows)
         self.drafting = True
         self._resize(range(len(self.rows)))
+
+    def _hand_to_draft(self, rows):
+        """Append `rows` to the draft's batch: each holds its trunk but the last token (a head: fed the features
+        beside them), which stays the trunk."""
+        held = [torch.tensor(row.trunk[:-1], dtype=torch.long, device=self.device) for row in rows]
+        max_length = max(row.out.input_ids.shape[1] + row.out.max_new_tokens for row in rows) + self.draft_nodes
+        features = [row.trunk_features() for row in rows] if self.head else None
+        fed = None if features is None else [f[0, :-1] for f in features]
+        self.draft.add_rows(held, max_length=max_length, features=fed)
+        for b, row in enumerate(rows):
+            row.trunk = row.trunk[-1:]
+            if self.head:
+                row.features = [features[b][:, -1:]]
 
     def _draft_trees(self, spec):
         """Every row's DraftedTree under `spec` (None per row for a plain step or without a draft model)."""
         if self.draft is None or spec is None:
             return [None] * len(self.rows)
         programs = [GROW[type(spec)](Growth(self.draft, row.trunk, self.sampler, len(row.out.generated),
-                                            row.generator, features=row.features), spec) for row in self.rows]
+                                            row.generator, features=row.trunk_features()), spec) for row in self.rows]
         drafted = drive(self.draft, programs + [_nothing() for _ in range(self.spare)])[:len(self.rows)]
         self.stats.draft_passes += max(d.passes for d in drafted)
         return drafted
@@ -255,7 +268,7 @@ class Batch:
             for b, (row, (_, bonus)) in enumerate(zip(self.rows, verdicts)):
                 row.trunk.append(bonus)
                 if self.head:
-                    row.features = torch.cat([row.features, self._verified[b:b + 1, :1]], 1)
+                    row.features.append(self._verified[b:b + 1, :1])
             return
         commits = [d.head_commit(accepted, bonus) if self.head else d.draft_commit(accepted, bonus)
                    for d, (accepted, bonus) in zip(drafted, verdicts)]
@@ -263,7 +276,7 @@ class Batch:
         for b, (row, (_, trunk), (accepted, _)) in enumerate(zip(self.rows, commits, verdicts)):
             row.trunk = trunk
             if self.head:
-                row.features = self._verified[b:b + 1, accepted]
+                row.features = [self._verified[b:b + 1, accepted]]
 
     def _verify(self, scores, trees, drafted):
         """[(accepted node ids, bonus token)] per row from the target's scores (batch, width, vocab)."""
@@ -289,7 +302,7 @@ class Batch:
         if self.sizes is not None:
             self.sizes.rows_changed()
         self._resize(keep)
-        self.drafting = self.drafting and (bool(keep) or self.head)
+        self.drafting = self.drafting and bool(keep)
         return True
 
     @property
