@@ -393,6 +393,35 @@ def test_batch_sizes_are_not_swayed_by_a_stray_slow_round(monkeypatch):
     assert _plain_steps_with_stray_rounds() < 0.8
 
 
+def _plain_share_after_a_slow_start(calls):
+    """The share of plain steps in the last of `calls` calls of 60 rounds at 16 rows, where a plain step (tau 1, 1 s)
+    is 9% faster than chain-1 (tau 1.6, 1.75 s) and chain-2 (tau 2.1, 2.3 s), but the machine slows the last
+    call's first four plain steps to 1.5 s (as on 2 shared cores, 13-18 ms against 11); a switch costs 1.5 rounds."""
+    from stree.adaptive.batch_sizes import BatchSizes
+    sizes = BatchSizes(stree.DynamicTree(adaptive=True), explore=8)
+    tau, seconds = [1.0, 1.6, 2.1, 2.3, 2.4, 2.5, 2.6], [1.0, 1.75, 2.3, 3.0, 3.5, 4.5, 7.0]
+    for call in range(calls):
+        sizes.rows_changed()
+        chosen, previous = [], None
+        for _ in range(60):
+            arm = sizes.choose(16)
+            slow = 1.5 if arm == 0 and call == calls - 1 and chosen.count(0) < 4 else 1.0
+            sizes.observe(16, arm, 16 * tau[arm], seconds[arm] * slow * (1.5 if arm != previous else 1.0))
+            chosen.append(arm)
+            previous = arm
+    return chosen.count(0) / len(chosen)
+
+
+def test_batch_sizes_recheck_a_plain_step_that_a_tree_displaced_narrowly(monkeypatch):
+    """A tree that beat the plain step on plain rounds the machine slowed is checked against it within `explore`
+    rounds (whatever the tries' budget), not after the next 8-32: the batch takes plain steps in most of the call,
+    after one to four calls. Without the recheck (the planted bug), chains hold the batch for most of it."""
+    from stree.adaptive import batch_sizes
+    assert min(_plain_share_after_a_slow_start(calls) for calls in (1, 2, 3, 4)) > 0.7
+    monkeypatch.setattr(batch_sizes, "RECHECK", 0.0)
+    assert sum(_plain_share_after_a_slow_start(calls) for calls in (1, 2, 3, 4)) / 4 < 0.5
+
+
 def _time_lost_to_tries(budget):
     """The share of 400 rounds' time at 16 rows beyond always taking plain steps (tau 1, 1 s), the fastest arm,
     where a switch to a tree costs 10 rounds (the draft's prefill of every row) and trees are slower."""

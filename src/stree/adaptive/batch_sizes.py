@@ -12,6 +12,8 @@ rarely while the fastest stays the same), so the choice climbs to the fastest ar
 (rows leaving, longer contexts, a busier machine). What those tries cost beyond the fastest arm's rate is kept under
 a share of all the time observed (`budget`): a try can cost several rounds (the first tree after plain steps
 prefills the draft with every row), and where plain steps are fastest such tries would cost more than they find.
+A tree that displaced the plain step by a narrow margin is checked against it again within `explore` rounds, since
+a few plain rounds the machine slowed are enough for that (RECHECK).
 """
 import dataclasses
 import statistics
@@ -22,6 +24,10 @@ from ..shapes import StaticTree, tree_shapes
 # depth). On the 0.9B target at B = 4 (bf16, AVX-512 CPU: 4 rows 96 ms a pass, 12 rows 138, 20 about 150, 28 about
 # 190) a 4-draft DynamicTree (tau 2.55) beat chain-2 (1.94), chain-3 (2.16) and 6-draft trees (2.6-2.7).
 CHAINS = ((1,), (1, 1))
+# A tree that displaced the plain step by less than this factor of its rate is checked against it again soon: on 2
+# shared cores three plain steps in a row took 1.3-1.6x their usual time (bundled pair, B = 16: 13-18 ms against
+# 11), and a tree chosen on them cost 15% of the call until the next exploration.
+RECHECK = 1.5
 SMALLER = (4, 6, 10)
 
 
@@ -40,6 +46,8 @@ class BatchSizes:
         self.seconds = {}  # (size, arm) -> the seconds of its last `samples` measured rounds, oldest first
         self.rounds = {}  # size -> rounds decided at that size
         self.schedule = {}  # size -> (rounds between explorations, the round of the next, the fastest then)
+        self.leader = {}    # size -> the fastest arm when last chosen
+        self.recheck = {}   # size -> the round at which the plain step, narrowly displaced by a tree, is tried again
         self.explored = {}  # size -> explorations so far
         self.last = None    # (size, arm) of the last round observed; None: the rows changed since
         self.again = None   # (size, arm, rounds) that runs `rounds` more: its last round was a switch, not measured
@@ -68,11 +76,18 @@ class BatchSizes:
         best = self._fastest(size)
         if best is None:
             return self._start(size)
+        if self.leader.get(size) == 0 and best != 0 and self.rate(size, best) < RECHECK * self.rate(size, 0):
+            self.recheck[size] = count + self.explore  # by a margin a slowed machine can make
+        self.leader[size] = best
         # the plain step too: it drafts nothing, so its rate need not continue the trees' slope
         others = sorted({arm for arm in (0, best - 1, best + 1) if 0 <= arm < len(self.arms)} - {best})
         untried = [arm for arm in others if (size, arm) not in self.seconds]
         if untried:
             return untried[0]
+        if self.recheck.get(size, count + 1) <= count:  # not held to the budget: near the tree's rate it costs little
+            del self.recheck[size]
+            if best != 0:
+                return 0
         interval, due, last_best = self.schedule.get(size, (self.explore, self.explore, best))
         if count >= due and self.regret <= self.budget * self.elapsed:
             # explore; less often while the fastest stays the same (at most every 4 x explore)
