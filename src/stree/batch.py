@@ -165,7 +165,7 @@ class Batch:
             return self.target.add_rows(prompts, max_length=max_length)
         logits, features = self.target.add_rows(prompts, max_length=max_length)
         for row, prompt, f in zip(rows, prompts, features):
-            held, fed, first = head_inputs(prompt, f)  # the trunk: held, then the root (which first goes with)
+            held, fed, first = head_inputs(prompt, f)  # the trunk: held (fed's), then the root (first's)
             row.trunk, row.features = held.tolist(), [fed[None], first[None]]
         return logits
 
