@@ -132,7 +132,6 @@ class Batch:
         generators = _per_row(generators, len(prompts))
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_count("max_new_tokens", limit)
-        max_length = max(p.numel() for p in prompts) + limit + self.draft_nodes
         prompts = [p.long().to(self.device) for p in prompts]
         new = [Row(self._next_id + i, Output(p[None], self.eos, limit, self.stopping_criteria, None), g, [])
                for i, (p, g) in enumerate(zip(prompts, generators))]
@@ -141,7 +140,7 @@ class Batch:
             self._done.update((row.id, row.out.sequence()[0]) for row in new)
             return new[0].id if single else [row.id for row in new]
         self._resize(range(len(self.rows)), pad=False)  # new rows go right after the rows decoding
-        logits = self._add_rows(new, prompts, max_length)
+        logits = self._add_rows(new, prompts, self._max_length(new))
         scores = self.sampler.scores(logits, 0)
         for row, row_scores in zip(new, scores):
             root = int(row_scores.argmax()) if self.sampler.greedy else sample(row_scores.softmax(-1), row.generator)
@@ -235,11 +234,15 @@ class Batch:
         self.drafting = True
         self._resize(range(len(self.rows)))
 
+    def _max_length(self, rows):
+        """The most tokens any of `rows` will hold in a model's cache: its prompt, its budget and a tree's nodes."""
+        return max(row.out.input_ids.shape[1] + row.out.max_new_tokens for row in rows) + self.draft_nodes
+
     def _hand_to_draft(self, rows):
         """Append `rows` to the draft's batch: each holds its trunk but the last token (a head: fed the features
         beside them), which stays the trunk."""
         held = [torch.tensor(row.trunk[:-1], dtype=torch.long, device=self.device) for row in rows]
-        max_length = max(row.out.input_ids.shape[1] + row.out.max_new_tokens for row in rows) + self.draft_nodes
+        max_length = self._max_length(rows)
         features = [row.trunk_features() for row in rows] if self.head else None
         fed = None if features is None else [f[0, :-1] for f in features]
         self.draft.add_rows(held, max_length=max_length, features=fed)
