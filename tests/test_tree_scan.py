@@ -292,10 +292,12 @@ def test_tree_scan_rows_match_loop(backend, kind, per_row, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tree_scan_one_row_matches_loop(backend, per_row, seed, device):
-    """One node asked for (a drafting level's pass: the CPU path reads the state by a multiply-and-sum there, by a
-    product for several rows), with several heads per group, equals the naive loop's output at that node."""
-    _check_few_rows(tree_scan, 1, per_row, seed, device, backend=backend)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tree_scan_one_row_matches_loop(backend, per_row, seed, batch, device):
+    """One node asked for (a drafting level's pass: the CPU path reads one batch row's state by a multiply-and-sum
+    there, a batch's by a product, as for several rows), with several heads per group, equals the naive loop's
+    output at that node."""
+    _check_few_rows(tree_scan, 1, per_row, seed, device, batch=batch, backend=backend)
 
 
 @pytest.mark.parametrize("count", [1, 3])
@@ -306,9 +308,9 @@ def test_compiled_torch_tree_scan_matches_loop(count):
     _check_few_rows(compiled, count, True, count, "cpu")
 
 
-def _check_few_rows(scan, count, per_row, seed, device, **options):
+def _check_few_rows(scan, count, per_row, seed, device, batch=2, **options):
     """scan's outputs at `count` random nodes per batch row (shared by the rows unless per_row) equal the loop's."""
-    T, batch = 9, 2
+    T = 9
     parents_rows = random_rows("random", T, batch=batch, seed=seed)
     inputs, extras = make_inputs(parents_rows, nheads=6, ngroups=2, seed=seed, device=device)
     nodes = torch.randint(0, T, (batch, count), generator=torch.Generator().manual_seed(seed))

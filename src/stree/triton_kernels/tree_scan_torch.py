@@ -50,15 +50,17 @@ def _from_state(initial_states, C_g, cd):
     """C·h0 for every query row: (batch, G, heads in group, R, headdim) from initial_states (batch, nheads,
     headdim, dstate) and C_g (batch, G, R, dstate).
 
-    Read straight from the state, row by row (h0 @ C^T): once the states are out of cache (a pass reads every
-    layer's), C @ h0^T costs 3-4x as much on a CPU. A single query row would go through the matrix-vector product,
-    about as slow, and compiled, the product's (heads * P, R) output made inductor tile the kernel that reads it
-    along the 1-4 rows (a 61M draft's pass: 1.6 ms of that kernel against 0.3): both take a multiply-and-sum
-    instead, which inductor fuses into a reduction with a row-major output."""
+    Eager, read straight from the state, row by row (h0 @ C^T): once the states are out of cache (a pass reads every
+    layer's), C @ h0^T costs 3-4x as much on a CPU. A single query row of a single batch row would go through a
+    matrix-vector product about as slow, so it takes a multiply-and-sum, whose state-sized product is one row's and
+    stays in cache; a batch's one-row passes keep the product (at 16 rows, the 0.9B target's one-node pass took 202
+    ms with a multiply-and-sum, 187 with it). Compiled, one broadcast multiply-and-sum, which inductor fuses into a
+    reduction with a row-major output (nothing materialised): a product's (heads * P, R) output made inductor tile
+    the kernel that reads it along the 1-4 rows (a 61M draft's pass: 1.6 ms of that kernel against 0.3)."""
     batch, G, R, dstate = C_g.shape
     nheads, headdim = initial_states.shape[1:3]
     h0 = as_dtype(initial_states, cd).view(batch, G, nheads // G * headdim, dstate)  # (batch, G, heads * P, N)
-    if R == 1 or torch.compiler.is_compiling():
+    if batch * R == 1 or torch.compiler.is_compiling():
         from_h0 = (h0[:, :, None] * C_g[..., None, :]).sum(-1)                    # (batch, G, R, heads * P)
         return from_h0.view(batch, G, R, nheads // G, headdim).transpose(2, 3)
     from_h0 = torch.matmul(h0, C_g.transpose(2, 3))                              # (batch, G, heads * P, R)
