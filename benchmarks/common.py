@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import time
 
 import torch
@@ -107,7 +108,7 @@ def median_ms(fn, device, reps):
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * statistics.median(times)
 
 
 def time_all(fns, device, min_time=1.0, min_reps=7, max_reps=500):

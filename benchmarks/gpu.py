@@ -376,8 +376,8 @@ def headline(name, path):
                              f"tree/hf_chunk {r['ratios']['tree_over_hf_chunk']:.2f}"
                              for r in data["results"] if r["T"] in (4, 16))
         if name == "batch":
-            return "; ".join(f"B={r['batch']}: tree {r['tree_vs_ar'][len(r['tree_vs_ar']) // 2]:.2f}x stree AR, "
-                             f"AR {r['ar_vs_hf'][len(r['ar_vs_hf']) // 2]:.2f}x HF" for r in data["rows"])
+            return "; ".join(f"B={r['batch']}: tree {statistics.median(r['tree_vs_ar']):.2f}x stree AR, "
+                             f"AR {statistics.median(r['ar_vs_hf']):.2f}x HF" for r in data["rows"])
         parts = ["partial"] if data.get("complete") is False else []
         parts += [f"{o['target']} {o['dtype']}: 16-node pass " + ", ".join(
             f"{t['ratio']:.2f}x HF's step" for t in o["trees"] if t["nodes"] == 16) for o in data.get("overhead", [])]

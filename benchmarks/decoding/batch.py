@@ -23,6 +23,7 @@ ends (serving's continuous batching) and only the last of the K x B prompts leav
 """
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -127,7 +128,7 @@ def summarise(batch, runs):
     """One table row: tokens/s per method (median), ratio ranges, tau, nodes, mean per-row latency."""
     rate = {name: [tokens / seconds for seconds, tokens, *_ in r] for name, r in runs.items()}
     ratio = lambda a, b: sorted(x / y for x, y in zip(rate[a], rate[b]))  # noqa: E731 (same-run pairs)
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    median = statistics.median  # of an even count: the mean of the middle two
     return dict(batch=batch, tok_s={name: median(r) for name, r in rate.items()},
                 tree_vs_ar=ratio("tree", "stree_ar"), ar_vs_hf=ratio("stree_ar", "hf"), tree_vs_hf=ratio("tree", "hf"),
                 tau=median([r[3] for r in runs["tree"]]), nodes=median([r[4] for r in runs["tree"]]),
@@ -135,7 +136,7 @@ def summarise(batch, runs):
 
 
 def format_table(rows):
-    span = lambda xs: f"{sorted(xs)[len(xs) // 2]:.2f}x ({min(xs):.2f}-{max(xs):.2f})"  # noqa: E731
+    span = lambda xs: f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"  # noqa: E731
     lines = [f"{'B':>3} | {'HF tok/s':>9} | {'AR tok/s':>9} | {'tree tok/s':>10} | {'tree / AR':>18} | "
              f"{'AR / HF':>18} | {'tau':>5} | {'nodes':>5} | latency s (HF / AR / tree)"]
     for r in rows:
