@@ -169,10 +169,10 @@ class StateCache:
         sources are read before anything is written). A commit moves the accepted path's tree slots to the
         positions after the committed ones; `length` is the caller's to advance."""
         batch, n = sources.shape
-        rows = torch.arange(batch, device=sources.device)[:, None]
         for store in (self.keys, self.values):
             for t in store.values():
                 if t.device.type == "cpu":  # scatter_ copies a bf16 buffer whole there (64 rows: 39 ms a call)
+                    rows = torch.arange(batch)[:, None]
                     by_position = t.transpose(1, 2)  # (batch, capacity, kv_heads, head_dim), a view
                     by_position[rows, destinations] = by_position[rows, sources]
                 elif batch == 1:

@@ -53,10 +53,11 @@ def _from_state(initial_states, C_g, cd):
     Eager, read straight from the state, row by row (h0 @ C^T): once the states are out of cache (a pass reads every
     layer's), C @ h0^T costs 3-4x as much on a CPU. A single query row of a single batch row would go through a
     matrix-vector product about as slow, so it takes a multiply-and-sum, whose state-sized product is one row's and
-    stays in cache; a batch's one-row passes keep the product (at 16 rows, the 0.9B target's one-node pass took 202
-    ms with a multiply-and-sum, 187 with it). Compiled, one broadcast multiply-and-sum, which inductor fuses into a
-    reduction with a row-major output (nothing materialised): a product's (heads * P, R) output made inductor tile
-    the kernel that reads it along the 1-4 rows (a 61M draft's pass: 1.6 ms of that kernel against 0.3)."""
+    stays in cache; a batch's one-row passes keep the product (16 rows of the 0.9B target: a one-node pass 202-230 ms
+    with a multiply-and-sum, 187-211 with the product, in alternating runs). Compiled, one broadcast
+    multiply-and-sum, which inductor fuses into a reduction with a row-major output (nothing materialised): a
+    product's (heads * P, R) output made inductor tile the kernel that reads it along the 1-4 rows (a 61M draft's
+    pass: 1.6 ms of that kernel against 0.3)."""
     batch, G, R, dstate = C_g.shape
     nheads, headdim = initial_states.shape[1:3]
     h0 = as_dtype(initial_states, cd).view(batch, G, nheads // G * headdim, dstate)  # (batch, G, heads * P, N)
